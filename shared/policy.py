@@ -1,0 +1,123 @@
+"""Pipeline policy: which path a request takes and how a relay hands it over.
+
+One module, pure functions, every threshold a config value. The router calls it per request;
+the simulator imports the very same functions, so simulated and live routing cannot drift.
+
+Paper rules encoded here:
+- P-MD when the KV that must cross the WAN is small (MD's decode-side cache already holds most of it).
+- P-RLD-MD when the WAN transfer would be long: the relay masks it with eager tokens.
+- P-RLD (local finish) only for anomalous traffic (very long input, short output) or when the WAN
+  is down. Never for plain low-hit traffic: that overloads the relay pool and the system collapses.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+
+class Pipeline(str, enum.Enum):
+    P_MD = "P-MD"
+    P_RLD_MD = "P-RLD-MD"
+    P_RLD = "P-RLD"
+
+
+class HandoffMode(str, enum.Enum):
+    ONE_SHOT = "one-shot"
+    CATCH_UP = "catch-up"
+
+
+class PolicyConfig(BaseModel):
+    """Routing thresholds. Defaults follow the report; every one can be set in the config file."""
+
+    model_config = {"extra": "forbid"}
+
+    wan_masking_threshold_s: float = Field(
+        0.25, ge=0, description="Estimated WAN transfer time above which the relay masks it (P-RLD-MD)."
+    )
+    anomalous_min_prompt_tokens: int = Field(
+        16384, ge=1, description="Prompts at least this long with short output are finished on the relay."
+    )
+    anomalous_max_output_tokens: int = Field(
+        500, ge=1, description="max_tokens below this makes a long prompt 'anomalous' (report: < 500)."
+    )
+    rld_max_load: float = Field(
+        0.9, gt=0, le=1, description="Relay load (0..1) above which no new P-RLD-MD requests are sent to it."
+    )
+    handoff_catch_up_threshold: int = Field(
+        64, ge=1, description="Pending relay tokens above which handoff uses catch-up batches."
+    )
+    handoff_catch_up_max_rld_load: float = Field(
+        0.8, gt=0, le=1, description="Above this relay load, hand off one-shot to free the relay at once."
+    )
+    handoff_final_gap: int = Field(
+        8, ge=0, description="Catch-up ends once the relay is at most this many tokens ahead of MD."
+    )
+    default_wan_gbps: float = Field(
+        1.0, gt=0, description="WAN bandwidth assumed until a transfer has been measured."
+    )
+
+
+@dataclass(frozen=True)
+class RouteInputs:
+    prompt_tokens: int
+    max_tokens: int
+    p_cached_tokens: int
+    md_cached_tokens: int
+    kv_bytes_per_token: int
+    wan_bandwidth_bps: float  # measured bytes/s, or 0 when unknown
+    wan_up: bool = True
+    rld_available: bool = True
+    rld_load: float = 0.0  # 0..1
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    pipeline: Pipeline
+    reason: str
+    wan_bytes: int
+    est_wan_seconds: float
+
+
+def estimate_wan_seconds(missing_tokens: int, inputs: RouteInputs, cfg: PolicyConfig) -> tuple[int, float]:
+    """Missing KV bytes and their transfer time at the measured (or assumed) WAN bandwidth."""
+    wan_bytes = max(0, missing_tokens) * inputs.kv_bytes_per_token
+    bandwidth = inputs.wan_bandwidth_bps if inputs.wan_bandwidth_bps > 0 else cfg.default_wan_gbps * 1e9 / 8
+    return wan_bytes, wan_bytes / bandwidth
+
+
+def choose_pipeline(inputs: RouteInputs, cfg: PolicyConfig) -> RouteDecision:
+    missing = inputs.prompt_tokens - min(inputs.md_cached_tokens, inputs.prompt_tokens)
+    wan_bytes, seconds = estimate_wan_seconds(missing, inputs, cfg)
+    anomalous = (
+        inputs.prompt_tokens >= cfg.anomalous_min_prompt_tokens
+        and inputs.max_tokens < cfg.anomalous_max_output_tokens
+    )
+    if not inputs.wan_up:
+        if inputs.rld_available:
+            return RouteDecision(Pipeline.P_RLD, "wan down: relay finishes locally", 0, 0.0)
+        return RouteDecision(Pipeline.P_MD, "wan down and no relay: direct (may fail over)", wan_bytes, seconds)
+    if anomalous and inputs.rld_available:
+        return RouteDecision(Pipeline.P_RLD, "anomalous long-input/short-output: transfer blocked", 0, 0.0)
+    if seconds <= cfg.wan_masking_threshold_s:
+        return RouteDecision(Pipeline.P_MD, "small WAN transfer (high MD hit)", wan_bytes, seconds)
+    if not inputs.rld_available:
+        return RouteDecision(Pipeline.P_MD, "large transfer but no relay available", wan_bytes, seconds)
+    if inputs.rld_load >= cfg.rld_max_load:
+        return RouteDecision(Pipeline.P_MD, "large transfer but relay overloaded", wan_bytes, seconds)
+    return RouteDecision(Pipeline.P_RLD_MD, "large WAN transfer: relay masks it", wan_bytes, seconds)
+
+
+def choose_handoff_mode(pending_tokens: int, rld_load: float, cfg: PolicyConfig) -> HandoffMode:
+    """Catch-up spreads a big backlog over small extends; one-shot frees a loaded relay at once."""
+    if pending_tokens > cfg.handoff_catch_up_threshold and rld_load < cfg.handoff_catch_up_max_rld_load:
+        return HandoffMode.CATCH_UP
+    return HandoffMode.ONE_SHOT
+
+
+def instance_cost(overlap_tokens: int, prompt_tokens: int, load: float, overlap_weight: float = 1.0) -> float:
+    """Lower is better: tokens still to prefill (weighted) plus load, like Dynamo's KV-router cost."""
+    new_tokens = max(0, prompt_tokens - overlap_tokens)
+    return overlap_weight * new_tokens / max(1, prompt_tokens) + load
