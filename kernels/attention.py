@@ -1,0 +1,144 @@
+"""Paged attention over a block-organised KV pool (torch reference).
+
+The pool of one layer is ``k_cache``/``v_cache`` of [num_blocks, block_size, kv_heads, head_dim].
+A forward pass carries a flat token batch: first the decode tokens (one per sequence), then the
+prefill/extend segments (several new tokens of one sequence each). Metadata is built once per
+pass and shared by every layer, so per-layer work is only tensor ops:
+
+* decode: gather each sequence's blocks into [B, L, kv_heads, head_dim] with one index_select,
+  mask the padding, and run one batched scaled_dot_product_attention with the query heads of a
+  KV group folded into the query-length axis (GQA without repeating K/V);
+* prefill/extend: per segment, causal attention of the new tokens over the cached prefix plus
+  themselves (a fresh prompt attends its own K/V directly, no gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """New tokens [token_start, token_start+num_new) of one sequence whose first new position is ctx_start."""
+
+    token_start: int
+    num_new: int
+    ctx_start: int
+    block_ids: torch.Tensor | None  # blocks covering positions [0, ctx_start+num_new); None if ctx_start == 0
+    mask: torch.Tensor | None  # [num_new, ctx_start+num_new] bool, None if ctx_start == 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot (block*block_size+offset) per new token
+    num_decode: int = 0
+    decode_block_index: torch.Tensor | None = None  # [B*max_blocks] block ids, padded
+    decode_max_blocks: int = 0
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] True = attend
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+def build_attention_metadata(
+    block_size: int,
+    decode_tables: list[list[int]],
+    decode_lens: list[int],
+    prefill_specs: list[tuple[list[int], int, int]],
+) -> AttentionMetadata:
+    """Build per-pass metadata.
+
+    decode_tables/decode_lens: block table and context length (including the new token) of each
+    decode sequence. prefill_specs: (block table, ctx_start, num_new) of each prefill/extend segment.
+    Token order in the pass is decode tokens first, then the segments in order.
+    """
+    slots: list[int] = []
+    for table, length in zip(decode_tables, decode_lens):
+        pos = length - 1
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_tables))
+    if decode_tables:
+        max_blocks = max((n + block_size - 1) // block_size for n in decode_lens)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in decode_tables]
+        meta.decode_block_index = torch.tensor(padded, dtype=torch.long).reshape(-1)
+        meta.decode_max_blocks = max_blocks
+        lens = torch.tensor(decode_lens, dtype=torch.long)
+        meta.decode_mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None]).view(
+            len(decode_tables), 1, 1, -1
+        )
+    token_start = len(decode_tables)
+    for table, ctx_start, num_new in prefill_specs:
+        positions = torch.arange(ctx_start, ctx_start + num_new)
+        blocks = torch.tensor(table, dtype=torch.long)
+        slots.extend((blocks[positions // block_size] * block_size + positions % block_size).tolist())
+        if ctx_start == 0:
+            seg = PrefillSegment(token_start, num_new, 0, None, None)
+        else:
+            total = ctx_start + num_new
+            nblocks = (total + block_size - 1) // block_size
+            mask = torch.arange(total)[None, :] <= positions[:, None]
+            seg = PrefillSegment(token_start, num_new, ctx_start, blocks[:nblocks], mask)
+        meta.prefills.append(seg)
+        token_start += num_new
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+    return meta
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """Store new K/V rows [T, kv_heads, head_dim] into their pool slots."""
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return cache.index_select(0, block_ids)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write the new K/V into the pool and attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq*D]."""
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    num_tokens, hq, dim = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    block_size = k_cache.shape[1]
+    out = torch.empty(num_tokens, hq, dim, dtype=q.dtype, device=q.device) if meta.prefills else None
+    nd = meta.num_decode
+    decode_out = None
+    if nd:
+        length = meta.decode_max_blocks * block_size
+        kg = _gather(k_cache, meta.decode_block_index).view(nd, length, hkv, dim).transpose(1, 2)
+        vg = _gather(v_cache, meta.decode_block_index).view(nd, length, hkv, dim).transpose(1, 2)
+        qg = q[:nd].view(nd, hkv, group, dim)
+        decode_out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.decode_mask, scale=scale)
+        decode_out = decode_out.reshape(nd, hq, dim)
+        if out is None:
+            return decode_out.reshape(nd, hq * dim)
+        out[:nd] = decode_out
+    for seg in meta.prefills:
+        s, n = seg.token_start, seg.num_new
+        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if seg.ctx_start == 0:
+            ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
+            vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
+        else:
+            total = seg.ctx_start + n
+            ks = _gather(k_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
+            vs = _gather(v_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
+            )
+        out[s : s + n] = o[0].transpose(0, 1)
+    return out.reshape(num_tokens, hq * dim)

@@ -1,0 +1,216 @@
+"""One config file (YAML) for a whole deployment: sites, instances, model, transports, policies.
+
+Every service reads the same file and picks its own instance by id. Any field can be overridden
+by an environment variable ``PDD__SECTION__FIELD`` (double underscores separate levels), e.g.
+``PDD__NATS__URL=nats://10.0.0.5:4222`` or ``PDD__POLICY__WAN_MASKING_THRESHOLD_S=0.5``.
+Validation happens at start and names the field and the fix (``pdd config check F``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+
+from pdd.shared.policy import PolicyConfig
+from pdd.shared.protocol import check_token
+
+Role = Literal["router", "prefill", "relay", "decode"]
+ENV_PREFIX = "PDD__"
+
+
+class ConfigError(ValueError):
+    """A config file is missing, unparsable or invalid; the message lists each field and its fix."""
+
+
+class _Strict(BaseModel):
+    model_config = {"extra": "forbid"}
+
+
+class ModelConfig(_Strict):
+    path: str = Field("default", description="'default' (built-in SmolLM2-135M-Instruct), a HF folder or a .gguf file")
+    name: str | None = Field(None, description="model name served by the API; defaults to the path's basename")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_memory_mb: int = Field(512, ge=1, description="KV pool budget per instance")
+    max_num_seqs: int = Field(64, ge=1)
+    max_prefill_tokens: int = Field(2048, ge=16)
+    threads: int | None = Field(None, ge=1, description="torch threads per instance (default: torch's choice)")
+
+
+class NatsConfig(_Strict):
+    url: str = "nats://127.0.0.1:4222"
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+    connect_timeout_s: float = Field(5.0, gt=0)
+    request_timeout_s: float = Field(5.0, gt=0)
+    max_reconnect_attempts: int = Field(-1, description="-1 = forever")
+
+    @field_validator("url")
+    @classmethod
+    def _nats_scheme(cls, value: str) -> str:
+        for url in value.split(","):
+            if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ValueError(f"{url!r} must start with nats:// (or tls://, ws://, wss://)")
+        return value
+
+
+class TransportConfig(_Strict):
+    name: str = Field(..., description="plugin name: inproc, zmq, ucx or a third-party entry point")
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TransportsConfig(_Strict):
+    fast: TransportConfig = TransportConfig(name="ucx")  # inside a site (P -> RLD)
+    wan: TransportConfig = TransportConfig(name="zmq", options={"streams": 4})  # across sites (P -> MD)
+
+
+class SiteConfig(_Strict):
+    name: str
+    description: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _safe(cls, value: str) -> str:
+        return check_token(value)
+
+
+class InstanceConfig(_Strict):
+    id: str
+    role: Role
+    site: str
+    metrics_port: int = Field(0, ge=0, le=65535, description="HTTP /metrics + /health; 0 = pick a free port")
+    host: str = "127.0.0.1"
+
+    @field_validator("id")
+    @classmethod
+    def _safe(cls, value: str) -> str:
+        return check_token(value)
+
+
+class RouterConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    forced_pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
+    forced_handoff: Literal["one-shot", "catch-up"] | None = None
+
+
+class ServiceConfig(_Strict):
+    heartbeat_ms: int = Field(500, ge=10, le=60_000)
+    missed_heartbeats: int = Field(3, ge=1, description="registry drops an instance after this many missed beats")
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+
+class TelemetryConfig(_Strict):
+    exporter: Literal["auto", "otlp", "jsonl", "none"] = Field(
+        "auto", description="auto: OTLP if OTEL_EXPORTER_OTLP_ENDPOINT is set, JSONL if jsonl_path is set, else none"
+    )
+    jsonl_path: str | None = None
+    otlp_endpoint: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_prompts: bool = Field(False, description="log prompt text/token ids (off: prompts are user data)")
+
+
+class PDDConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    nats: NatsConfig = NatsConfig()
+    sites: list[SiteConfig] = Field(default_factory=lambda: [SiteConfig(name="site-a"), SiteConfig(name="site-b")])
+    instances: list[InstanceConfig] = Field(default_factory=list)
+    transports: TransportsConfig = TransportsConfig()
+    router: RouterConfig = RouterConfig()
+    policy: PolicyConfig = PolicyConfig()
+    service: ServiceConfig = ServiceConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PDDConfig":
+        site_names = [s.name for s in self.sites]
+        if len(set(site_names)) != len(site_names):
+            raise ValueError(f"sites: duplicate site names in {site_names}")
+        ids = [i.id for i in self.instances]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"instances: duplicate id(s) {duplicates}; every instance needs its own id")
+        for inst in self.instances:
+            if inst.site not in site_names:
+                raise ValueError(
+                    f"instances[{inst.id}].site: unknown site {inst.site!r}; add it under 'sites' or use one of {site_names}"
+                )
+        return self
+
+    def instance(self, instance_id: str) -> InstanceConfig:
+        for inst in self.instances:
+            if inst.id == instance_id:
+                return inst
+        raise ConfigError(f"instances: no instance with id {instance_id!r} (have {[i.id for i in self.instances]})")
+
+    def first_of_role(self, role: str) -> InstanceConfig:
+        for inst in self.instances:
+            if inst.role == role:
+                return inst
+        raise ConfigError(f"instances: no instance with role {role!r}; add one or pass --instance-id")
+
+
+def _apply_env(data: dict, environ: dict[str, str]) -> dict:
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
+        if not path:
+            continue
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {'.'.join(path[:-1])} is not a section")
+        node[path[-1]] = yaml.safe_load(raw) if raw != "" else None  # "8000" -> 8000, "true" -> True
+    return data
+
+
+def _format_errors(source: str, exc: ValidationError) -> str:
+    lines = [f"{source}: invalid configuration ({exc.error_count()} problem(s)):"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling (see docs/CONFIG in README) or remove it"
+        elif err["type"] == "missing":
+            msg = "required field is missing; add it"
+        lines.append(f"  - {where}: {msg} (got {err.get('input')!r})" if err["type"] != "missing" else f"  - {where}: {msg}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None = None) -> PDDConfig:
+    """Read, env-override and validate. Raises ConfigError with one line per bad field."""
+    environ = dict(os.environ if environ is None else environ)
+    data: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"{source}: cannot read config file ({exc.strerror})") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections (model, nats, instances, ...)")
+    data = _apply_env(data, environ)
+    try:
+        return PDDConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(source, exc)) from None
+
+
+def dump_config(config: PDDConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,430 @@
+"""Every message between PDD services: typed dataclasses with one msgpack encoding.
+
+Wire form: a msgpack map ``{"v": SCHEMA_VERSION, "t": <type name>, "d": {<fields>}}``.
+Decoding is strict: unknown type, wrong version, missing/unknown/ill-typed field or an oversize
+payload raises ``ProtocolError`` (never anything else), so a service loop can reject a bad
+message with one ``except`` and keep serving. Subjects are documented in docs/PROTOCOL.md and
+built by the helpers in ``Subjects``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 1_000_000  # below NATS's default 1 MiB max_payload; ~200K token ids fit
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded or validated. ``code`` is stable and machine-readable."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+_REGISTRY: dict[str, type["Message"]] = {}
+
+
+@dataclass
+class Message:
+    """Base of all bus messages. Subclasses set TYPE and are registered automatically."""
+
+    TYPE: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.TYPE:
+            if cls.TYPE in _REGISTRY:
+                raise TypeError(f"duplicate message type {cls.TYPE}")
+            _REGISTRY[cls.TYPE] = cls
+
+    def encode(self) -> bytes:
+        return encode(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and results
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingSpec:
+    """Sampling parameters as they travel (the engine's SamplingParams is built from this)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class SubmitRequest(Message):
+    """Router -> prefill: run the prompt, stream the first token, ship KV along the chosen pipeline."""
+
+    TYPE: ClassVar[str] = "submit"
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD"
+    events_subject: str  # where token chunks / errors for this request go (the router's inbox)
+    deadline_unix: float
+    rld_instance: str | None = None
+    md_instance: str | None = None
+    handoff_mode: str | None = None  # forced "one-shot" | "catch-up", else chosen by the relay
+    output_ids: list[int] = field(default_factory=list)  # already emitted tokens (migration/resume)
+
+
+@dataclass
+class PrefillResult(Message):
+    """Prefill -> router: the first token, with what the prefix cache saved."""
+
+    TYPE: ClassVar[str] = "prefill_result"
+    request_id: str
+    instance_id: str
+    first_token: int
+    prompt_tokens: int
+    cached_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class PrepareImport(Message):
+    """Prefill -> decode instance (request/reply): reserve blocks for a request's incoming KV."""
+
+    TYPE: ClassVar[str] = "prepare_import"
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    first_token: int
+    events_subject: str
+    deadline_unix: float
+    pipeline: str
+    use_cache: bool = True  # the relay takes the full KV; main decode reuses its radix cache
+    source_descriptor: dict = field(default_factory=dict)  # sender's transport descriptor
+    handoff_mode: str | None = None
+    md_instance: str | None = None
+    rld_instance: str | None = None
+    trace_id: str | None = None
+
+
+@dataclass
+class ImportPlan(Message):
+    """Decode instance -> prefill (reply): what it already holds and where the rest must land."""
+
+    TYPE: ClassVar[str] = "import_plan"
+    request_id: str
+    instance_id: str
+    cached_tokens: int
+    dst_blocks: list[int]
+    descriptor: dict  # receiver's transport descriptor (address, layout, keys)
+
+
+@dataclass
+class KVReady(Message):
+    """Sender -> receiver: all blocks for the request were sent (receiver still verifies arrival)."""
+
+    TYPE: ClassVar[str] = "kv_ready"
+    request_id: str
+    instance_id: str
+    num_tokens: int
+    bytes_sent: int
+    seconds: float
+
+
+@dataclass
+class TokenChunk(Message):
+    """Any decoding instance -> router: output tokens at positions [start, start+len)."""
+
+    TYPE: ClassVar[str] = "tokens"
+    request_id: str
+    instance_id: str
+    role: str
+    start: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None (more to come)
+    owner_until: int | None = None  # relay: last position it will emit (handoff boundary), if known
+
+
+@dataclass
+class HandoffReady(Message):
+    """Main decode -> relay: my KV has landed; hand the request over from position ``next_position``."""
+
+    TYPE: ClassVar[str] = "handoff_ready"
+    request_id: str
+    md_instance: str
+    next_position: int  # first output position MD does not hold yet
+
+
+@dataclass
+class HandoffTokens(Message):
+    """Relay -> main decode: token ids at output positions [start, start+len).
+
+    ``final`` names the end of the relay's ownership: MD owns every position from ``start+len``.
+    """
+
+    TYPE: ClassVar[str] = "handoff_tokens"
+    request_id: str
+    rld_instance: str
+    start: int
+    token_ids: list[int]
+    mode: str  # "one-shot" | "catch-up"
+    final: bool
+    finish_reason: str | None = None  # the relay already finished the request (nothing left for MD)
+
+
+@dataclass
+class HandoffAck(Message):
+    """Main decode -> relay: extended through ``through_position``; send the next batch."""
+
+    TYPE: ClassVar[str] = "handoff_ack"
+    request_id: str
+    md_instance: str
+    through_position: int
+
+
+@dataclass
+class Cancel(Message):
+    TYPE: ClassVar[str] = "cancel"
+    request_id: str
+    reason: str = "cancelled"
+
+
+@dataclass
+class ErrorReply(Message):
+    """A request failed somewhere (or a bus message was rejected). ``code`` is machine-readable."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    request_id: str | None = None
+    instance_id: str | None = None
+    retryable: bool = False
+
+
+@dataclass
+class Announce(Message):
+    """Every instance, every heartbeat period: who I am, where, how loaded, what I cache."""
+
+    TYPE: ClassVar[str] = "announce"
+    instance_id: str
+    role: str
+    site: str
+    state: str  # "ready" | "draining" | "stopped"
+    load: float  # 0..1
+    running_requests: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    heartbeat_ms: int
+    cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., "cached_blocks": ..}
+    endpoints: dict = field(default_factory=dict)  # e.g. {"metrics": "http://..", "kv": {...}}
+    sent_unix: float = 0.0
+
+
+@dataclass
+class CacheEvents(Message):
+    """Engine radix cache -> router prefix index: block hashes stored or removed."""
+
+    TYPE: ClassVar[str] = "cache_events"
+    instance_id: str
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+    cleared: bool = False
+
+
+@dataclass
+class CacheQuery(Message):
+    """Router -> instance (request/reply): how many leading tokens of this prompt do you hold?"""
+
+    TYPE: ClassVar[str] = "cache_query"
+    prompt_ids: list[int]
+
+
+@dataclass
+class CacheQueryReply(Message):
+    TYPE: ClassVar[str] = "cache_query_reply"
+    instance_id: str
+    cached_tokens: int
+
+
+@dataclass
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+    payload: str = ""
+
+
+@dataclass
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    instance_id: str
+    role: str
+    payload: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Subjects
+# ---------------------------------------------------------------------------------------------
+
+
+class Subjects:
+    """The one NATS subject scheme (docs/PROTOCOL.md)."""
+
+    PREFIX = "pdd"
+    ANNOUNCE = "pdd.announce"
+    CANCEL = "pdd.cancel"
+
+    @staticmethod
+    def instance(instance_id: str, verb: str) -> str:
+        """Instance-addressed control: submit, prepare_import, handoff, cache_query, ping, ..."""
+        return f"pdd.inst.{instance_id}.{verb}"
+
+    @staticmethod
+    def cache_events(instance_id: str) -> str:
+        return f"pdd.cache.{instance_id}"
+
+    @staticmethod
+    def router_events(router_id: str) -> str:
+        return f"pdd.router.{router_id}.events"
+
+
+def check_token(name: str) -> str:
+    """Instance ids become subject tokens: keep them to a safe alphabet."""
+    if not name or any(c in name for c in ". *>\t\r\n") or len(name) > 128:
+        raise ValueError(f"invalid id {name!r}: use letters, digits, '-' or '_' (no dots, spaces or wildcards)")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding and strict decoding
+# ---------------------------------------------------------------------------------------------
+
+
+def _to_wire(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "TYPE"}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def encode(message: Message) -> bytes:
+    if not message.TYPE:
+        raise TypeError(f"{type(message).__name__} is not a registered message type")
+    return msgpack.packb({"v": SCHEMA_VERSION, "t": message.TYPE, "d": _to_wire(message)}, use_bin_type=True)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(value, option, where)
+            except ProtocolError as exc:
+                errors.append(exc.message)
+        raise ProtocolError("bad_field", f"{where}: {'; '.join(errors)}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
+        (item_hint,) = typing.get_args(hint)
+        if item_hint is int:  # fast path for token id lists
+            if not all(type(v) is int for v in value):
+                raise ProtocolError("bad_field", f"{where}: expected a list of ints")
+            return value
+        return [_check(v, item_hint, f"{where}[{i}]") for i, v in enumerate(value)]
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError("bad_field", f"{where}: expected a map, got {type(value).__name__}")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if hint is float:
+        if type(value) not in (int, float):
+            raise ProtocolError("bad_field", f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if hint is int:
+        if type(value) is not int:
+            raise ProtocolError("bad_field", f"{where}: expected an int, got {type(value).__name__}")
+        return value
+    if hint in (str, bool, bytes):
+        if type(value) is not hint:
+            raise ProtocolError("bad_field", f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value
+    raise ProtocolError("bad_field", f"{where}: unsupported field type {hint}")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ProtocolError("bad_field", f"{where}: expected a map")
+    hints = _hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "TYPE"}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise ProtocolError("unknown_field", f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError("missing_field", f"{where}.{name} is required")
+            continue
+        kwargs[name] = _check(data[name], hints[name], f"{where}.{name}")
+    return cls(**kwargs)
+
+
+def decode(data: bytes, expect: type[Message] | tuple[type[Message], ...] | None = None,
+           max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """Bytes -> message, or ProtocolError naming what is wrong."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError("bad_frame", "message must be bytes")
+    if len(data) > max_bytes:
+        raise ProtocolError("oversize", f"message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage input
+        raise ProtocolError("bad_frame", f"not a msgpack message ({type(exc).__name__})") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "d"}:
+        raise ProtocolError("bad_frame", "expected an envelope {v, t, d}")
+    if envelope["v"] != SCHEMA_VERSION:
+        raise ProtocolError(
+            "wrong_version", f"schema version {envelope['v']!r} is not supported (this side speaks {SCHEMA_VERSION})"
+        )
+    cls = _REGISTRY.get(envelope["t"]) if isinstance(envelope["t"], str) else None
+    if cls is None:
+        raise ProtocolError("unknown_type", f"unknown message type {envelope['t']!r}")
+    if expect is not None and not issubclass(cls, expect):
+        names = [c.TYPE for c in (expect if isinstance(expect, tuple) else (expect,))]
+        raise ProtocolError("unexpected_type", f"got {cls.TYPE!r}, expected one of {names}")
+    try:
+        return _build(cls, envelope["d"], cls.TYPE)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # e.g. a dataclass __post_init__ rejecting a value
+        raise ProtocolError("bad_field", f"{cls.TYPE}: {exc}") from None
+
+
+def message_types() -> dict[str, type[Message]]:
+    return dict(_REGISTRY)

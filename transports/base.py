@@ -1,0 +1,249 @@
+"""The KV transport interface, and the registry that picks a plugin by name.
+
+A transport moves KV *blocks* between two paged pools and knows nothing about models:
+
+    t = create_transport("zmq", {"streams": 4})
+    await t.start(); t.register(layout, k_cache, v_cache)
+    desc = t.descriptor()                      # -> peers, over NATS
+    peer = await t.connect(remote_desc)        # sender side
+    handle = t.expect(rid, dst_blocks)         # receiver side, before the sender starts
+    stats = await t.send(peer, rid, src, dst, layers=range(0, 8))   # repeatable per layer range
+    await handle                               # TransferStats, or a TransferError subclass
+
+Plugins subclass KVTransport and fill in five hooks (_start, _address, _connect, _send_frames,
+_close); validation, framing, completion tracking and telemetry live here and in receiver.py, so
+every plugin behaves the same. Third parties add plugins through the ``pdd.transports`` entry-point
+group.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+
+from ..shared.kv_layout import KVLayout
+from . import telemetry
+from .blocks import FramePlan, byte_view, gather, plan_frames
+from .errors import IncompatiblePeerError
+from .frames import FrameHeader, UnexpectedFrame, checksum, decode_header
+from .receiver import ReceiveRegistry, TransferHandle, TransferStats
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME_BYTES = 4 << 20
+
+__all__ = ["KVTransport", "Peer", "TransferHandle", "TransferStats", "create_transport",
+           "register_transport", "available_transports"]
+
+
+@dataclass
+class Peer:
+    """A connected remote pool; ``state`` belongs to the plugin."""
+
+    peer_id: str
+    descriptor: dict
+    layout: KVLayout
+    num_blocks: int
+    state: Any = field(default=None, repr=False)
+
+
+class KVTransport(abc.ABC):
+    name: ClassVar[str] = "abstract"
+
+    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
+        self.options = dict(options or {})
+        self.instance_id = uuid.uuid4().hex[:12]
+        self.max_frame_bytes = int(self.options.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES))
+        self.layout: KVLayout | None = None
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._registry: ReceiveRegistry | None = None
+        self._started = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Open listeners and worker threads."""
+        if not self._started:
+            await self._start()
+            self._started = True
+
+    async def close(self) -> None:
+        """Fail pending receives with TransferCancelled, close sockets, stop threads."""
+        if self._registry is not None:
+            self._registry.close()
+        if self._started:
+            self._started = False
+            await self._close()
+
+    # ---- memory ------------------------------------------------------------------------------
+    def register(self, layout: KVLayout, k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor]) -> None:
+        """Register the pool: per layer, K and V tensors of [num_blocks, *layout.block_shape]."""
+        if len(k_cache) != layout.num_layers or len(v_cache) != layout.num_layers:
+            raise ValueError(f"expected {layout.num_layers} K and V tensors, got {len(k_cache)}/{len(v_cache)}")
+        n = k_cache[0].shape[0]
+        for t in [*k_cache, *v_cache]:
+            if tuple(t.shape) != (n, *layout.block_shape) or t.dtype != layout.torch_dtype or not t.is_contiguous():
+                raise ValueError(f"pool tensor {tuple(t.shape)} {t.dtype} does not match layout "
+                                 f"[{n}, {layout.block_shape}] {layout.dtype} (contiguous)")
+        self.layout, self._k, self._v = layout, list(k_cache), list(v_cache)
+        self._registry = ReceiveRegistry(self.name, layout, self._k, self._v, self.max_frame_bytes)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._k[0].shape[0] if self._k else 0
+
+    def descriptor(self) -> dict:
+        """Everything a peer needs to connect to us; msgpack-able, travels over NATS."""
+        self._require_registered()
+        return {"transport": self.name, "protocol": PROTOCOL_VERSION, "instance_id": self.instance_id,
+                "layout": self.layout.to_dict(), "num_blocks": self.num_blocks, **self._address()}
+
+    # ---- sender side -------------------------------------------------------------------------
+    async def connect(self, desc: Mapping[str, Any]) -> Peer:
+        """Check that the peer speaks our transport and page layout, then open the link."""
+        self._require_registered()
+        if desc.get("transport") != self.name or desc.get("protocol") != PROTOCOL_VERSION:
+            raise IncompatiblePeerError(f"peer speaks {desc.get('transport')!r} v{desc.get('protocol')}, "
+                                        f"we speak {self.name!r} v{PROTOCOL_VERSION}")
+        try:
+            layout = KVLayout.from_dict(desc["layout"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise IncompatiblePeerError(f"peer descriptor has no valid layout: {exc}") from None
+        if not layout.compatible_with(self.layout):
+            raise IncompatiblePeerError(f"KV layout mismatch: ours {self.layout}, peer's {layout}")
+        peer = Peer(str(desc.get("instance_id", "")), dict(desc), layout, int(desc.get("num_blocks", 0)))
+        peer.state = await self._connect(peer)
+        return peer
+
+    async def send(self, peer: Peer, request_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None) -> TransferStats:
+        """Send blocks src->dst for the given layers (all by default); returns when all are acknowledged."""
+        self._require_registered()
+        src, dst = [int(b) for b in src_blocks], [int(b) for b in dst_blocks]
+        layers = list(range(self.layout.num_layers) if layers is None else layers)
+        if len(src) != len(dst) or not src:
+            raise ValueError("src_blocks and dst_blocks must be non-empty and of equal length")
+        if not all(0 <= b < self.num_blocks for b in src):
+            raise ValueError(f"src block ids must lie in [0, {self.num_blocks})")
+        if peer.num_blocks and not all(0 <= b < peer.num_blocks for b in dst):
+            raise ValueError(f"dst block ids must lie in [0, {peer.num_blocks}) on the peer")
+        if not all(0 <= layer < self.layout.num_layers for layer in layers):
+            raise ValueError(f"layers must lie in [0, {self.layout.num_layers})")
+        plans = plan_frames(src, dst, layers, self.layout.bytes_per_block_per_tensor, self.max_frame_bytes)
+        t0 = time.monotonic()
+        nbytes = await self._send_frames(peer, request_id, plans, trace_context)
+        stats = TransferStats(nbytes, time.monotonic() - t0, len(plans))
+        telemetry.record(self.name, "send", nbytes, stats.seconds, trace_context, request_id)
+        return stats
+
+    async def disconnect(self, peer: Peer) -> None:
+        """Close the link to one peer (default: nothing to do)."""
+
+    # ---- receiver side -----------------------------------------------------------------------
+    def expect(self, request_id: str, dst_blocks: Sequence[int], timeout_s: float = 30.0) -> TransferHandle:
+        """Pre-register where request_id's frames may land (all layers, K and V, these blocks)."""
+        self._require_registered()
+        return self._registry.expect(request_id, dst_blocks, timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop accepting frames for request_id; its handle raises TransferCancelled."""
+        if self._registry is not None:
+            self._registry.cancel(request_id)
+
+    # ---- plugin hooks ------------------------------------------------------------------------
+    @abc.abstractmethod
+    async def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    def _address(self) -> dict:
+        """Plugin-specific descriptor fields (address, keys)."""
+
+    @abc.abstractmethod
+    async def _connect(self, peer: Peer) -> Any:
+        """Open the link; return the plugin's per-peer state."""
+
+    @abc.abstractmethod
+    async def _send_frames(self, peer: Peer, request_id: str, plans: list[FramePlan],
+                           trace_context: dict | None) -> int:
+        """Send every planned frame, wait for acknowledgements, return payload bytes sent."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
+
+    # ---- helpers for plugins -----------------------------------------------------------------
+    def _require_registered(self) -> None:
+        if self.layout is None:
+            raise RuntimeError(f"{self.name} transport: call register(layout, k_cache, v_cache) first")
+
+    def _build_frame(self, request_id: str, plan: FramePlan, trace_context: dict | None) -> tuple[bytes, memoryview]:
+        """Header bytes and a (zero-copy when possible) payload view for one planned frame."""
+        pool = (self._k if plan.tensor == 0 else self._v)[plan.layer]
+        payload = byte_view(gather(pool, plan.src))
+        header = FrameHeader(request_id, plan.layer, plan.tensor, plan.dst, self.layout.dtype,
+                             (len(plan.dst), *self.layout.block_shape), payload.nbytes,
+                             checksum(payload), trace_context)
+        return header.encode(), payload
+
+    def _receive_frame(self, header: bytes | memoryview, payload: Any, source: Any = None) -> int:
+        """Decode, validate and write one incoming frame; raises a FrameError subclass if bad."""
+        if self._registry is None:
+            raise UnexpectedFrame("no pool registered on this receiver")
+        return self._registry.accept(decode_header(header), payload, source)
+
+
+# ---- registry ---------------------------------------------------------------------------------
+_REGISTRY: dict[str, type[KVTransport] | str] = {
+    "inproc": "pdd.transports.inproc:InprocTransport",
+    "zmq": "pdd.transports.zmq_transport:ZmqTransport",
+    "ucx": "pdd.transports.ucx_transport:UcxTransport",
+}
+_discovered = False
+
+
+def register_transport(name: str, cls: type[KVTransport] | str) -> None:
+    """Add a plugin by class or by "module:Class" path (loaded on first use)."""
+    _REGISTRY[name] = cls
+
+
+def _discover() -> None:
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for ep in entry_points(group="pdd.transports"):
+            _REGISTRY.setdefault(ep.name, ep.value)
+
+
+def available_transports() -> list[str]:
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def _load(name: str) -> type[KVTransport]:
+    _discover()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown KV transport {name!r}; available: {', '.join(available_transports())}")
+    target = _REGISTRY[name]
+    if isinstance(target, str):
+        import importlib
+
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+        _REGISTRY[name] = target
+    return target
+
+
+def create_transport(name: str, options: Mapping[str, Any] | None = None) -> KVTransport:
+    """Instantiate a plugin by name. ``options["shape"]`` wraps it in the in-process WAN shaper."""
+    opts = dict(options or {})
+    shape = opts.pop("shape", None)
+    transport = _load(name)(opts)
+    if shape:
+        from .shaper import ShapedTransport
+
+        transport = ShapedTransport(transport, **shape)
+    return transport
