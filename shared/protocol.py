@@ -106,7 +106,6 @@ class PrepareImport(Message):
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec
-    first_token: int
     events_subject: str
     deadline_unix: float
     pipeline: str
@@ -137,7 +136,7 @@ class KVReady(Message):
     TYPE: ClassVar[str] = "kv_ready"
     request_id: str
     instance_id: str
-    num_tokens: int
+    first_token: int  # output position 0, sampled by P: the receiver extends it before decoding
     bytes_sent: int
     seconds: float
 
@@ -154,6 +153,7 @@ class TokenChunk(Message):
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None (more to come)
     owner_until: int | None = None  # relay: last position it will emit (handoff boundary), if known
+    meta: dict = field(default_factory=dict)  # per-request facts for metrics (handoff mode, WAN bytes, hits)
 
 
 @dataclass
@@ -226,7 +226,9 @@ class Announce(Message):
     free_kv_blocks: int
     total_kv_blocks: int
     heartbeat_ms: int
-    cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., "cached_blocks": ..}
+    cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., "wan_bytes_per_s": ..}
+    max_context: int = 0
+    model: str = ""
     endpoints: dict = field(default_factory=dict)  # e.g. {"metrics": "http://..", "kv": {...}}
     sent_unix: float = 0.0
 

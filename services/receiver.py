@@ -1,0 +1,160 @@
+"""The import side shared by relay (RLD) and main decode (MD): reserve blocks, receive KV, continue.
+
+Flow per request: ``prepare_import`` (reserve blocks, reply with the cached prefix and the
+destination blocks) -> KV frames land through the transport -> ``kv_ready`` from P carries the
+first token -> ``on_kv_landed`` (role-specific). Reserved blocks are leased: if the KV does not
+arrive before the request's deadline (or the lease), everything is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+
+from pdd.services.engine_service import EngineService, sampling_params
+from pdd.shared.bus import Envelope
+from pdd.shared.engine import EngineInputError, OutOfBlocks, StepOutput
+from pdd.shared.protocol import (
+    ErrorReply, ImportPlan, KVReady, Message, PrepareImport, Subjects, TokenChunk,
+)
+from pdd.shared.telemetry import get_logger
+from pdd.transports.base import TransferHandle
+
+log = get_logger("pdd.receiver")
+tracer = trace.get_tracer("pdd.receiver")
+
+IMPORT_LEASE_S = 120.0  # reserved blocks whose KV never arrives are freed after this
+
+
+@dataclass
+class Incoming:
+    req: PrepareImport
+    cached_tokens: int
+    handle: TransferHandle | None
+    lease_task: asyncio.Task | None = None
+    first_token: int | None = None
+    wan_bytes: int = 0
+    wan_seconds: float = 0.0
+    outputs: list[int] = field(default_factory=list)  # output positions 0.. known here
+    committed: bool = False
+    kv_landed_unix: float = 0.0
+
+
+class ReceiverService(EngineService):
+    transport_kind = "wan"
+
+    def __init__(self, config, instance):
+        super().__init__(config, instance)
+        self.incoming: dict[str, Incoming] = {}
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        cfg = self.config.transports.fast if self.transport_kind == "fast" else self.config.transports.wan
+        await self.open_transport(self.transport_kind, cfg)
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "prepare_import"), self._on_prepare,
+                                 expect=PrepareImport)
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "kv_ready"), self._on_kv_ready, expect=KVReady)
+
+    def in_flight(self) -> int:
+        return len(self.incoming)
+
+    async def _on_prepare(self, message: Message, _: Envelope) -> Message:
+        assert isinstance(message, PrepareImport)
+        rid = message.request_id
+        if not self.accepting:
+            return ErrorReply(code="draining", message=f"{self.instance_id} is draining", request_id=rid,
+                              retryable=True)
+        if rid in self.incoming:
+            return ErrorReply(code="duplicate", message=f"request {rid} already imported here", request_id=rid)
+        try:
+            plan = await self.runner.call(self.engine.prepare_import, rid, message.prompt_ids, message.use_cache)
+        except OutOfBlocks as exc:
+            return ErrorReply(code="out_of_kv_blocks", message=str(exc), request_id=rid, retryable=True)
+        except EngineInputError as exc:
+            return ErrorReply(code="invalid_request", message=str(exc), request_id=rid)
+        transport = self.transports[self.transport_kind]
+        timeout = max(1.0, min(IMPORT_LEASE_S, message.deadline_unix - time.time()))
+        handle = transport.expect(rid, plan.dst_blocks, timeout_s=timeout) if plan.dst_blocks else None
+        inc = Incoming(req=message, cached_tokens=plan.cached_tokens, handle=handle)
+        inc.lease_task = asyncio.create_task(self._lease(rid, timeout + 5))
+        self.incoming[rid] = inc
+        return ImportPlan(request_id=rid, instance_id=self.instance_id, cached_tokens=plan.cached_tokens,
+                          dst_blocks=plan.dst_blocks, descriptor=transport.descriptor())
+
+    async def _lease(self, rid: str, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        inc = self.incoming.get(rid)
+        if inc is not None and not inc.committed:
+            log.warning("import_lease_expired", request_id=rid)
+            await self.drop(rid)
+
+    async def _on_kv_ready(self, message: Message, _: Envelope) -> None:
+        assert isinstance(message, KVReady)
+        inc = self.incoming.get(message.request_id)
+        if inc is None or inc.first_token is not None:
+            return
+        inc.first_token = message.first_token
+        inc.wan_bytes = message.bytes_sent
+        inc.wan_seconds = message.seconds
+        inc.outputs = [message.first_token]
+        with tracer.start_as_current_span("kv.receive", attributes={
+            "request_id": message.request_id, "bytes": message.bytes_sent, "cached_tokens": inc.cached_tokens,
+        }):
+            try:
+                if inc.handle is not None:
+                    await inc.handle
+            except Exception as exc:
+                await self.send_error(inc.req.events_subject, message.request_id, "kv_transfer_failed",
+                                      f"KV for {message.request_id} did not arrive at {self.instance_id}: {exc}",
+                                      retryable=True)
+                await self.drop(message.request_id)
+                return
+        if message.request_id not in self.incoming:  # cancelled meanwhile
+            return
+        inc.kv_landed_unix = time.time()
+        if inc.lease_task:
+            inc.lease_task.cancel()
+        try:
+            await self.on_kv_landed(inc)
+        except EngineInputError as exc:
+            await self.send_error(inc.req.events_subject, message.request_id, "invalid_request", str(exc))
+            await self.drop(message.request_id)
+
+    async def on_kv_landed(self, inc: Incoming) -> None:
+        raise NotImplementedError
+
+    async def commit(self, inc: Incoming, known: list[int], on_output, paused: bool = False) -> None:
+        """Attach the imported KV; ``known`` output tokens are extended in one pass, then decoding goes on.
+
+        ``paused``: extend only, sample nothing until ``engine.resume`` (MD during catch-up).
+        """
+        rid = inc.req.request_id
+        params = sampling_params(inc.req.sampling)
+
+        def attach() -> None:
+            self.engine.commit_import(rid, inc.req.prompt_ids, known, params, inc.req.sampling.max_tokens)
+            if paused:
+                self.engine.pause(rid)
+
+        self.runner.watch(rid, on_output)
+        await self.runner.call(attach)
+        inc.committed = True
+        self.runner.wake()
+
+    async def emit(self, inc: Incoming, out: StepOutput, **extra) -> None:
+        await self.bus.publish(inc.req.events_subject, TokenChunk(
+            request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role, start=out.start_position,
+            token_ids=list(out.token_ids), finish_reason=out.finish_reason, **extra))
+
+    async def drop(self, rid: str) -> None:
+        """Forget a request here and free its blocks (idempotent)."""
+        inc = self.incoming.pop(rid, None)
+        if inc is not None and inc.lease_task:
+            inc.lease_task.cancel()
+        await EngineService.cancel_request(self, rid, "dropped")
+
+    async def cancel_request(self, request_id: str, reason: str) -> None:
+        await self.drop(request_id)

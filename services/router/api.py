@@ -1,0 +1,436 @@
+"""The router's OpenAI-compatible HTTP API (FastAPI), in front of any ``Backend``.
+
+``create_app(backend)`` serves /v1/completions, /v1/chat/completions (SSE streaming or not),
+/v1/models, /health and /metrics. This module only speaks HTTP: it validates, tokenizes, turns the
+backend's token events into text (detokenize.py) and closes the backend's generator when the client
+leaves or a stop string ends the output early, which is how a request is cancelled everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar, runtime_checkable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from pdd.services.router.detokenize import IncrementalDetokenizer
+from pdd.services.router.errors import APIError, from_validation_error, install_error_handlers, log
+from pdd.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdd.services.router.streaming import (BackendStream, ClientDisconnected, Delta, Timings, text_deltas,
+                                           watch_disconnect)
+from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.shared import metrics
+from pdd.shared.protocol import SamplingSpec
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy
+
+# Tokenizer calls run off the event loop, one at a time: HF fast tokenizers may reconfigure
+# themselves inside encode (truncation/padding), which is not safe from several threads.
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-tokenize")
+
+T = TypeVar("T", bound=BaseModel)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the HTTP layer needs from the orchestrator (services/router/orchestrator.py)."""
+
+    model_name: str
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    max_context: int
+    max_body_bytes: int
+    api_keys: list[str]
+    request_timeout_s: float  # optional; DEFAULT_REQUEST_TIMEOUT_S when absent
+
+    def ready(self) -> bool: ...
+
+    def health(self) -> dict: ...
+
+    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Async generator of token events; raises GenerationError; closing it cancels the request."""
+        ...
+
+
+class _SSEResponse(StreamingResponse):
+    """StreamingResponse without Starlette's own disconnect listener: ours (watch_disconnect) is
+    the only reader of ``receive``, on every ASGI spec version, so a client that leaves always
+    cancels the backend, even while no token is flowing."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:
+            pass  # client gone mid-send; the watcher has or will cancel the generation
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Formatter:
+    """OpenAI response shapes; one subclass per endpoint."""
+
+    object_chunk: str
+    object_full: str
+
+    def __init__(self, request_id: str, model: str, include_usage: bool):
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, delta: Delta, pdd: dict | None) -> dict: ...
+
+    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict: ...
+
+    def _with_usage(self, body: dict) -> dict:
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict, pdd: dict) -> dict:
+        return {**self._head(self.object_chunk), "choices": [], "usage": usage, "pdd": pdd}
+
+
+class _CompletionFormatter(_Formatter):
+    object_chunk = object_full = "text_completion"
+
+    def chunk(self, delta: Delta, pdd: dict | None) -> dict:
+        body = {**self._head(self.object_chunk),
+                "choices": [{"index": 0, "text": delta.text, "logprobs": None,
+                             "finish_reason": delta.finish_reason}]}
+        if pdd is not None:
+            body["pdd"] = pdd
+        return self._with_usage(body)
+
+    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict:
+        return {**self._head(self.object_full),
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+                "usage": usage, "pdd": pdd}
+
+
+class _ChatFormatter(_Formatter):
+    object_chunk = "chat.completion.chunk"
+    object_full = "chat.completion"
+
+    def start_chunks(self) -> list[dict]:
+        return [self._with_usage({**self._head(self.object_chunk), "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})]
+
+    def chunk(self, delta: Delta, pdd: dict | None) -> dict:
+        body = {**self._head(self.object_chunk),
+                "choices": [{"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                             "logprobs": None, "finish_reason": delta.finish_reason}]}
+        if pdd is not None:
+            body["pdd"] = pdd
+        return self._with_usage(body)
+
+    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict:
+        return {**self._head(self.object_full),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish_reason}],
+                "usage": usage, "pdd": pdd}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _API:
+    """Route handlers bound to one backend."""
+
+    def __init__(self, backend: Any, record_metrics: bool):
+        self.backend = backend
+        self.record_metrics = record_metrics
+        self.created = int(time.time())
+        self._keys = [k.encode() for k in (getattr(backend, "api_keys", None) or [])]
+
+    # ---- request intake -------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if not self._keys:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        presented = token.strip().encode("utf-8", "surrogateescape") if scheme.lower() == "bearer" else b""
+        # Compare against every key (no early exit) so timing says nothing about which key matched.
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(presented, key)
+        if not ok:
+            raise APIError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = int(self.backend.max_body_bytes)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        return bytes(body)
+
+    @staticmethod
+    def parse(model: type[T], body: bytes) -> T:
+        if not body.strip():
+            raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.backend.model_name:
+            raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                                f"'{self.backend.model_name}'.", code="model_not_found", param="model")
+
+    async def _in_pool(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn)
+
+    async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            vocab = len(self.backend.tokenizer)
+            if any(t >= vocab for t in prompt):
+                raise APIError(400, f"'prompt': token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        ids = await self._in_pool(lambda: list(self.backend.tokenizer.encode(prompt)))
+        if not ids:
+            raise APIError(400, "'prompt': must not be empty", param="prompt")
+        return ids
+
+    async def tokenize_chat(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        tok = self.backend.tokenizer
+
+        def render() -> list[int]:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tok.encode(text, add_special_tokens=False))
+
+        try:
+            return await self._in_pool(render)
+        except Exception as exc:  # noqa: BLE001 - template errors (jinja raise_exception) are the client's
+            raise APIError(400, f"'messages': the chat template rejected them: {type(exc).__name__}: "
+                                f"{str(exc)[:300]}", param="messages") from None
+
+    def generation_request(self, prefix: str, prompt_ids: list[int],
+                           req: CompletionRequest | ChatCompletionRequest) -> GenerationRequest:
+        max_context = int(self.backend.max_context)
+        room = max_context - len(prompt_ids)
+        max_tokens = req.max_tokens if req.max_tokens is not None else room
+        if room <= 0 or max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, you "
+                                f"requested {len(prompt_ids) + max(max_tokens, 1)} tokens ({len(prompt_ids)} in "
+                                f"the prompt, {max(max_tokens, 1)} for the completion). Please reduce the length "
+                                "of the prompt or max_tokens.", code="context_length_exceeded",
+                           param="max_tokens" if req.max_tokens is not None and room > 0 else "prompt")
+        top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+        sampling = SamplingSpec(
+            max_tokens=max_tokens,
+            temperature=DEFAULT_TEMPERATURE if req.temperature is None else float(req.temperature),
+            top_p=1.0 if req.top_p is None else float(req.top_p),
+            top_k=top_k,
+            seed=secrets.randbits(63) if req.seed is None else req.seed,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+        )
+        timeout = float(getattr(self.backend, "request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
+        return GenerationRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            deadline_unix=time.time() + timeout,
+            forced_pipeline=req.pdd.pipeline if req.pdd else None,
+            forced_handoff=req.pdd.handoff if req.pdd else None,
+        )
+
+    # ---- generation -----------------------------------------------------------------------
+    async def respond(self, request: Request, arrival: float, greq: GenerationRequest,
+                      req: CompletionRequest | ChatCompletionRequest, fmt: _Formatter) -> Response:
+        """Start the backend, wait for its first event (so early errors get a real status), then
+        answer with one JSON body or an SSE stream."""
+        timings = Timings(arrival=arrival)
+        detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list())
+        stream = BackendStream(self.backend.generate(greq), greq.request_id)
+        watcher = asyncio.create_task(watch_disconnect(request.receive, stream))
+        deltas = text_deltas(stream, detok, greq.sampling.max_tokens, greq.deadline_unix, timings)
+        if self.record_metrics:
+            metrics.RUNNING.inc()
+        outcome: dict[str, Any] = {"status": "error", "code": "cancelled"}
+
+        async def finish() -> None:
+            with anyio.CancelScope(shield=True):  # cleanup must not be cut short by cancellation
+                watcher.cancel()
+                await deltas.aclose()
+                await stream.close()
+            if self.record_metrics:
+                metrics.RUNNING.dec()
+                self._observe(greq, timings, outcome)
+
+        try:
+            first = await deltas.__anext__()
+        except BaseException as exc:
+            await finish()
+            raise self._as_api_error(exc, greq, outcome) from None
+
+        if not req.stream:
+            try:
+                parts = [first.text]
+                last = first
+                while last.finish_reason is None:
+                    last = await deltas.__anext__()
+                    parts.append(last.text)
+            except BaseException as exc:
+                raise self._as_api_error(exc, greq, outcome) from None
+            finally:
+                await finish()
+            outcome.update(status="ok", finish_reason=last.finish_reason, tokens=last.completion_tokens,
+                           info=last.info)
+            usage = _usage(len(greq.prompt_ids), last.completion_tokens)
+            return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                for c in fmt.start_chunks():
+                    yield _sse(c)
+                delta: Delta | None = first
+                while delta is not None:
+                    final = delta.finish_reason is not None
+                    if delta.text or final:
+                        yield _sse(fmt.chunk(delta, delta.info if final else None))
+                    if final:
+                        outcome.update(status="ok", finish_reason=delta.finish_reason,
+                                       tokens=delta.completion_tokens, info=delta.info)
+                        if fmt.include_usage:
+                            usage = _usage(len(greq.prompt_ids), delta.completion_tokens)
+                            yield _sse(fmt.usage_chunk(usage, delta.info))
+                        break
+                    delta = await deltas.__anext__()
+                yield _sse("[DONE]")
+            except ClientDisconnected:
+                log.info("client_disconnected", request_id=greq.request_id)
+            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
+                err = self._as_api_error(exc, greq, outcome)
+                yield _sse(err.body())
+                yield _sse("[DONE]")
+            finally:
+                await finish()
+
+        return _SSEResponse(body(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _as_api_error(self, exc: BaseException, greq: GenerationRequest, outcome: dict) -> APIError | BaseException:
+        if isinstance(exc, ClientDisconnected):
+            log.info("client_disconnected", request_id=greq.request_id)
+            return _Gone()
+        if isinstance(exc, GenerationError):
+            outcome["code"] = exc.code
+            log.info("generation_error", request_id=greq.request_id, status=exc.http_status, code=exc.code)
+            return APIError.from_generation_error(exc)
+        if isinstance(exc, Exception):
+            outcome["code"] = "internal_error"
+            log.error("backend_error", request_id=greq.request_id, error_type=type(exc).__name__)
+            return APIError(500, "internal error while generating", code="internal_error")
+        return exc  # CancelledError and friends propagate unchanged
+
+    def _observe(self, greq: GenerationRequest, timings: Timings, outcome: dict) -> None:
+        if outcome["status"] != "ok":
+            metrics.REQUEST_ERRORS.labels(code=outcome.get("code", "unknown")).inc()
+            return
+        pipeline = str(outcome.get("info", {}).get("pipeline", "unknown"))
+        metrics.REQUESTS.labels(finish_reason=outcome.get("finish_reason") or "stop").inc()
+        metrics.PROMPT_TOKENS.inc(len(greq.prompt_ids))
+        metrics.GENERATED_TOKENS.inc(outcome.get("tokens", 0))
+        if timings.first_token is not None:
+            metrics.TTFT.labels(pipeline=pipeline).observe(timings.first_token - timings.arrival)
+        for gap in timings.token_gaps:
+            metrics.ITL.labels(pipeline=pipeline).observe(gap)
+        metrics.E2E.labels(pipeline=pipeline).observe(time.monotonic() - timings.arrival)
+
+
+class _Gone(APIError):
+    """The client left; the answer goes nowhere (499, nginx's 'client closed request')."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client closed request", code="client_closed_request")
+
+
+def create_app(backend: Any, *, record_metrics: bool = True) -> FastAPI:
+    """The OpenAI-compatible app for ``backend`` (see ``Backend``).
+
+    ``record_metrics``: observe the router's per-request metrics (TTFT, ITL, E2E by pipeline,
+    finished/failed requests, token counters, running gauge) from the HTTP side.
+    """
+    api = _API(backend, record_metrics)
+    app = FastAPI(title="PDD router", summary="OpenAI-compatible API of the PDD router",
+                  docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        api.check_auth(request)
+        req = api.parse(CompletionRequest, await api.read_body(request))
+        api.check_model(req.model)
+        prompt_ids = await api.tokenize_prompt(req.prompt)  # type: ignore[arg-type]
+        greq = api.generation_request("cmpl", prompt_ids, req)
+        fmt = _CompletionFormatter(greq.request_id, backend.model_name, req.include_usage())
+        return await api.respond(request, arrival, greq, req, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        api.check_auth(request)
+        req = api.parse(ChatCompletionRequest, await api.read_body(request))
+        api.check_model(req.model)
+        prompt_ids = await api.tokenize_chat(req)
+        greq = api.generation_request("chatcmpl", prompt_ids, req)
+        fmt = _ChatFormatter(greq.request_id, backend.model_name, req.include_usage())
+        return await api.respond(request, arrival, greq, req, fmt)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": backend.model_name, "object": "model", "created": api.created, "owned_by": "pdd",
+                "max_model_len": int(backend.max_context)}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        api.check_auth(request)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        api.check_auth(request)
+        api.check_model(model_id)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if backend.ready():
+            return JSONResponse({"status": "ok", **backend.health()})
+        return JSONResponse({"status": "unavailable", **backend.health()}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

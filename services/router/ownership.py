@@ -1,0 +1,82 @@
+"""In-order emission with explicit ownership: each output position exactly once, from its owner.
+
+P owns position 0. With a relay, the relay owns every position up to the boundary it names
+(``owner_until``); MD owns the rest (MD chunks that arrive before the boundary is named wait).
+P-MD: MD owns positions from 1. Anything else (a duplicate, a stale owner) is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Emission:
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class OwnershipTracker:
+    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD"
+    next_position: int = 0
+    relay_until: int | None = None  # last relay position, once the relay names it
+    finish_at: int | None = None  # total output length when known
+    finish_reason: str | None = None
+    dropped: int = 0
+    relay_tokens: int = 0
+    _pending: dict[int, int] = field(default_factory=dict)
+    _waiting_md: list[tuple[int, list[int], str | None]] = field(default_factory=list)
+
+    def owns(self, role: str, position: int) -> bool | None:
+        """True/False, or None when it cannot be decided yet (MD before the relay's boundary)."""
+        if role == "prefill":
+            return position == 0
+        if position == 0:
+            return False
+        if role == "relay":
+            return self.pipeline != "P-MD" and (self.relay_until is None or position <= self.relay_until)
+        if role == "decode":
+            if self.pipeline == "P-MD":
+                return True
+            if self.pipeline == "P-RLD":
+                return False
+            return None if self.relay_until is None else position > self.relay_until
+        return False
+
+    def accept(self, role: str, start: int, token_ids: list[int], finish_reason: str | None = None,
+               owner_until: int | None = None) -> Emission:
+        if role == "relay" and owner_until is not None and self.relay_until is None:
+            self.relay_until = owner_until
+            waiting, self._waiting_md = self._waiting_md, []
+            for w_start, w_ids, w_finish in waiting:
+                self._take("decode", w_start, w_ids, w_finish)
+        self._take(role, start, token_ids, finish_reason)
+        return self._flush()
+
+    def _take(self, role: str, start: int, token_ids: list[int], finish_reason: str | None) -> None:
+        end = start + len(token_ids)
+        decided = self.owns(role, max(start, 1) if role != "prefill" else start)
+        if decided is None:
+            self._waiting_md.append((start, list(token_ids), finish_reason))
+            return
+        for i, token in enumerate(token_ids):
+            pos = start + i
+            if self.owns(role, pos) and pos >= self.next_position and pos not in self._pending:
+                self._pending[pos] = token
+                if role == "relay":
+                    self.relay_tokens += 1
+            else:
+                self.dropped += 1
+        if finish_reason is not None and self.finish_at is None:
+            last = end - 1
+            if last < 0 or self.owns(role, max(last, 0)) or (role == "prefill" and last == 0):
+                self.finish_at, self.finish_reason = end, finish_reason
+
+    def _flush(self) -> Emission:
+        out: list[int] = []
+        while self.next_position in self._pending:
+            out.append(self._pending.pop(self.next_position))
+            self.next_position += 1
+        finished = self.finish_at is not None and self.next_position >= self.finish_at
+        return Emission(out, self.finish_reason if finished else None)

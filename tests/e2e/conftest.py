@@ -1,0 +1,102 @@
+"""A whole PDD system of real processes (router, prefill, relay, main decode) on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdd.shared.natsserver import free_port
+from tests.helpers import ServiceProcess, write_config
+
+
+def ucx_available() -> bool:
+    try:
+        import ucxx  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from pdd.shared.engine.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=1024)
+
+
+class System:
+    def __init__(self, root: Path, config_path: Path, port: int, procs: dict[str, ServiceProcess]):
+        self.root = root
+        self.config_path = config_path
+        self.port = port
+        self.procs = procs
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"{}")
+        except OSError:
+            return 0, {}
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for p in self.procs.values():
+                if p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.instance_id} exited:\n{p.log()[-4000:]}")
+            if self.health()[0] == 200:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"system not ready: {self.health()}")
+
+    def instance_health(self, instance_id: str) -> dict:
+        return self.procs[instance_id].health()[1]
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+
+
+def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None = None,
+                 policy: dict | None = None) -> System:
+    port = free_port()
+    config = {
+        "model": {"path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32, "threads": 1},
+        "nats": {"url": nats_url},
+        "sites": [{"name": "site-a"}, {"name": "site-b"}],
+        "instances": [
+            {"id": "router-0", "role": "router", "site": "site-a"},
+            {"id": "p-0", "role": "prefill", "site": "site-a"},
+            {"id": "rld-0", "role": "relay", "site": "site-a"},
+            {"id": "md-0", "role": "decode", "site": "site-b"},
+        ],
+        "transports": {
+            "fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
+            "wan": {"name": "zmq", "options": {"streams": 2, **(wan_options or {})}},
+        },
+        "router": {"port": port, "request_timeout_s": 60},
+        "policy": policy or {},
+        "service": {"heartbeat_ms": 200, "drain_timeout_s": 5},
+        "telemetry": {"exporter": "jsonl", "jsonl_path": str(root / "spans.jsonl"), "log_format": "json"},
+    }
+    path = write_config(root / "pdd.yaml", config)
+    procs = {}
+    for inst in config["instances"]:
+        procs[inst["id"]] = ServiceProcess(inst["role"], path, inst["id"], root)
+    system = System(root, path, port, procs)
+    try:
+        system.wait_ready()
+    except Exception:
+        system.stop()
+        raise
+    return system
