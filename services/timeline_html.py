@@ -58,15 +58,15 @@ def render_svg(tl: Timeline) -> str:
             out.append(f'<rect x="0" y="{y}" width="{LABEL_W + CHART_W}" height="{ROW_H}" fill="#f7f7f9"/>')
         indent = 8 + 16 * row.depth
         prefix = "└ " if row.depth else ""
-        out.append(f'<text class="row" x="{indent}" y="{y + ROW_H / 2 + 4}" fill="#222">{escape(prefix + row.title)}</text>')
+        out.append(f'<text class="row" x="{indent}" y="{y + ROW_H / 2 + 4}" fill="#222">'
+                   f'{escape(prefix + row.title)}</text>')
         for bar in row.bars:
             mid[bar.span_id] = y + ROW_H / 2
-    for i, row in enumerate(tl.rows):  # parent -> child connectors under the bars
-        for bar in row.bars:
-            if bar.parent_id in mid:
-                x = _x(bar.start_ms, total)
-                out.append(f'<line x1="{x:.1f}" y1="{mid[bar.parent_id]:.1f}" x2="{x:.1f}" y2="{mid[bar.span_id]:.1f}" '
-                           f'stroke="#999" stroke-dasharray="2,2"/>')
+    for bar in tl.bars:  # parent -> child connectors, drawn under the bars
+        if bar.parent_id in mid:
+            x = _x(bar.start_ms, total)
+            out.append(f'<line x1="{x:.1f}" y1="{mid[bar.parent_id]:.1f}" x2="{x:.1f}" '
+                       f'y2="{mid[bar.span_id]:.1f}" stroke="#999" stroke-dasharray="2,2"/>')
     for i, row in enumerate(tl.rows):
         y = TOP + i * ROW_H + (ROW_H - BAR_H) / 2
         for bar in row.bars:
@@ -78,7 +78,8 @@ def render_svg(tl: Timeline) -> str:
                        f'fill="{color}" opacity="{0.55 if bar.unfinished else 0.9}"/>')
             for ms, _name in bar.events:
                 ex = _x(ms, total)
-                out.append(f'<line x1="{ex:.1f}" y1="{y - 2:.1f}" x2="{ex:.1f}" y2="{y + BAR_H + 2:.1f}" stroke="#111"/>')
+                out.append(f'<line x1="{ex:.1f}" y1="{y - 2:.1f}" x2="{ex:.1f}" y2="{y + BAR_H + 2:.1f}" '
+                           f'stroke="#111"/>')
             out.append("</g>")
         if row.bars:
             end = _x(max(b.end_ms for b in row.bars), total)
@@ -97,7 +98,8 @@ td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}t
 def render_html(tl: Timeline) -> str:
     title = f"PDD handoff timeline · request {tl.request_id or '?'}"
     services = sorted({b.service for b in tl.bars})
-    legend = "".join(f'<span><i class="sw" style="background:{service_color(s)}"></i>{escape(s)}</span>' for s in services)
+    legend = "".join(f'<span><i class="sw" style="background:{service_color(s)}"></i>{escape(s)}</span>'
+                     for s in services)
     rows = []
     for bar in sorted(tl.bars, key=lambda b: b.start_ms):
         attrs = ", ".join(f"{k}={v}" for k, v in sorted(bar.attributes.items()))
@@ -107,8 +109,8 @@ def render_html(tl: Timeline) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{escape(title)}</title><style>{_CSS}</style></head>
 <body><h1>{escape(title)}</h1>
-<div class="meta">trace {escape(tl.trace_id)} · pipeline {escape(str(tl.pipeline or '?'))} · total {escape(human_ms(tl.total_ms))}
- · {len(tl.bars)} spans</div>
+<div class="meta">trace {escape(tl.trace_id)} · pipeline {escape(str(tl.pipeline or '?'))}
+ · total {escape(human_ms(tl.total_ms))} · {len(tl.bars)} spans</div>
 <div class="legend">{legend}</div>
 {render_svg(tl)}
 <table><tr><th>stage</th><th>service</th><th>start ms</th><th>end ms</th><th>duration</th><th>status</th>

