@@ -1,0 +1,76 @@
+"""Drive a server: open-loop arrivals (Poisson / gamma burstiness) or closed-loop concurrency.
+
+Open loop is what a real user population does (arrivals do not wait for the server); closed loop
+measures a server at a fixed number of requests in flight. Warm-up requests run first and are
+left out of the results (they fill caches and compile kernels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import aiohttp
+import numpy as np
+
+from .client import RequestResult, send
+from .workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    url: str
+    model: str
+    request_rate: float = math.inf  # requests/s; inf = send all at once (bounded by concurrency)
+    burstiness: float = 1.0  # gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother
+    max_concurrency: int | None = None  # closed loop when set
+    warmup: int = 0
+    seed: int = 0
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+
+def intervals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """Gaps between sends, like `vllm bench serve`: gamma(shape=b, scale=1/(rate*b))."""
+    if not math.isfinite(rate) or rate <= 0:
+        return np.zeros(n)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+
+
+async def run_load(specs: Sequence[RequestSpec], cfg: LoadConfig,
+                   on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every spec; returns (results of the measured requests in spec order, measured seconds)."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        warm, measured = list(specs[: cfg.warmup]), list(specs[cfg.warmup:])
+        if warm:  # warm-up: sequential-ish, not timed
+            await asyncio.gather(*(send(session, cfg.url, s, cfg.model, time.perf_counter(), cfg.timeout_s,
+                                        cfg.api_key) for s in warm))
+        sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        gaps = intervals(len(measured), cfg.request_rate, cfg.burstiness, cfg.seed)
+        t0 = time.perf_counter()
+
+        async def one(spec: RequestSpec) -> RequestResult:
+            if sem is None:
+                r = await send(session, cfg.url, spec, cfg.model, t0, cfg.timeout_s, cfg.api_key)
+            else:
+                async with sem:
+                    r = await send(session, cfg.url, spec, cfg.model, t0, cfg.timeout_s, cfg.api_key)
+            if on_done:
+                on_done(r)
+            return r
+
+        tasks = []
+        next_t = t0
+        for spec, gap in zip(measured, gaps.tolist()):
+            next_t += gap
+            delay = next_t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(spec)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - t0

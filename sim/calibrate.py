@@ -1,0 +1,137 @@
+"""`pdd sim calibrate`: fit cost-model coefficients to `pdd bench` JSON, then predict another run.
+
+Prefill: TTFT of requests that found the prefill engine idle = p0 + p_tok*new + p_attn*new*ctx.
+Decode: each request's mean inter-token time = d0 + d_seq*batch + d_ctx*kv_tokens, with batch and
+KV tokens averaged over its own decode window (reconstructed from every request's timestamps).
+Both are linear least squares: no search, no dependence on the figures being predicted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .costmodel import CostModel
+from .engine import SimInput, SimResult, simulate
+
+
+@dataclass
+class BenchRun:
+    """The per-request columns calibration needs, read from a `pdd bench` JSON file."""
+
+    start: np.ndarray
+    ttft: np.ndarray
+    e2el: np.ndarray
+    prompt: np.ndarray
+    cached: np.ndarray
+    output: np.ndarray
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "BenchRun":
+        reqs = [r for r in data.get("requests", []) if r.get("success")]
+        if not reqs:
+            raise ValueError("bench JSON has no successful per-request records ('requests')")
+        col = lambda k, d=0: np.array([float(r.get(k) or d) for r in reqs])  # noqa: E731
+        return cls(col("start"), col("ttft"), col("e2el"), col("prompt_tokens"), col("cached_tokens"),
+                   col("output_tokens"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BenchRun":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def to_bench_json(inp: SimInput, res: SimResult) -> dict[str, Any]:
+    """A simulated run in `pdd bench`'s JSON schema (lets calibration be tested end to end)."""
+    reqs = []
+    for i in range(len(res.ok)):
+        ok = bool(res.ok[i])
+        reqs.append({
+            "success": ok, "start": float(res.arrival[i]),
+            "ttft": float(res.ttft[i]) if ok else None, "e2el": float(res.e2e[i]) if ok else None,
+            "prompt_tokens": int(inp.prompt[i]), "cached_tokens": int(inp.cached[i]),
+            "output_tokens": int(inp.output[i]),
+        })
+    return {"source": "pdd sim", "completed": res.completed, "failed": res.failed, "requests": reqs}
+
+
+def _lstsq_nonneg(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares, dropping columns whose coefficient comes out negative (physically impossible)."""
+    cols = list(range(X.shape[1]))
+    while True:
+        coef = np.zeros(X.shape[1])
+        sol, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        coef[cols] = sol
+        neg = [c for c in cols if coef[c] < 0 and c != 0]
+        if not neg:
+            return coef
+        cols.remove(min(neg, key=lambda c: coef[c]))
+
+
+def decode_regressors(run: BenchRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per request: mean inter-token time, mean co-running batch and mean KV tokens in its window."""
+    first = run.start + run.ttft
+    end = run.start + run.e2el
+    n = len(first)
+    tpot = (end - first) / np.maximum(run.output - 1, 1)
+    batch = np.ones(n)
+    ctx = run.prompt + run.output / 2
+    ctx_sum = ctx.copy()
+    for i in range(n):
+        span = end[i] - first[i]
+        if span <= 0:
+            continue
+        overlap = np.clip(np.minimum(end, end[i]) - np.maximum(first, first[i]), 0, None) / span
+        overlap[i] = 1.0
+        batch[i] = overlap.sum()
+        ctx_sum[i] = (overlap * ctx).sum()
+    keep = run.output > 1
+    return tpot[keep], batch[keep], ctx_sum[keep]
+
+
+def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0) -> CostModel:
+    """Coefficients from one or more runs. `transfer_s`: fixed KV hand-over time inside TTFT."""
+    X_p, y_p, X_d, y_d = [], [], [], []
+    for run in runs:
+        new = run.prompt - run.cached
+        busy_until = run.start + run.ttft
+        order = np.argsort(run.start)
+        idle = np.zeros(len(order), dtype=bool)
+        latest = -np.inf
+        for i in order:  # a request found the prefill engine idle if no earlier request was still in prefill
+            idle[i] = run.start[i] >= latest
+            latest = max(latest, busy_until[i])
+        X_p.append(np.column_stack([np.ones(idle.sum()), new[idle], (new * (run.cached + new / 2))[idle]]))
+        y_p.append(run.ttft[idle])
+        tpot, batch, ctx = decode_regressors(run)
+        X_d.append(np.column_stack([np.ones(len(tpot)), batch, ctx]))
+        y_d.append(tpot)
+    d = _lstsq_nonneg(np.vstack(X_d), np.concatenate(y_d))
+    p = _lstsq_nonneg(np.vstack(X_p), np.concatenate(y_p))
+    first_step = d[0] + d[1] + d[2] * float(np.mean(np.concatenate([r.prompt for r in runs])))
+    return CostModel(p0=max(0.0, p[0] - transfer_s - first_step), p_tok=p[1], p_attn=p[2],
+                     d0=d[0], d_w=0.0, d_seq=d[1], d_ctx=d[2])
+
+
+def predict(cm: CostModel, run: BenchRun, n_prefill: int = 1, n_decode: int = 1,
+            rdma_setup_s: float = 0.0) -> SimResult:
+    """Replay a run's arrivals and token counts through the simulator with fitted coefficients."""
+    inp = SimInput(
+        arrivals=run.start - run.start.min(), prompt=run.prompt.astype(np.int64),
+        cached=run.cached.astype(np.int64), output=run.output.astype(np.int64),
+        prefill=cm, decode=cm, n_prefill=n_prefill, n_decode=n_decode, kv_bytes_per_token=1.0,
+        kind="local", rdma_setup_s=rdma_setup_s, record_itl=False,
+    )
+    return simulate(inp)
+
+
+def compare(pred: SimResult, run: BenchRun) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for q in (50, 90):
+        sim_v, obs_v = float(np.nanpercentile(pred.ttft, q)), float(np.percentile(run.ttft, q))
+        out[f"ttft_p{q}_sim_s"], out[f"ttft_p{q}_obs_s"] = sim_v, obs_v
+        out[f"ttft_p{q}_error"] = sim_v / obs_v - 1 if obs_v > 0 else float("nan")
+    return out

@@ -1,0 +1,160 @@
+"""`pdd sim`: run a scenario, reproduce the report, calibrate against `pdd bench` runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="sim_command", metavar="ACTION")
+    run = sub.add_parser("run", help="simulate one system of a scenario at one offered rate")
+    run.add_argument("--scenario", default="report", help="YAML path or a name under sim/scenarios")
+    run.add_argument("--system", default="pdd")
+    run.add_argument("--rate", type=float, required=True, help="offered requests/s")
+    run.add_argument("--num-requests", type=int, default=None)
+    run.add_argument("--split", default=None, help="role counts, e.g. prefill=4,relay=1,decode=4")
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--save-bench-json", default=None, help="write the run in `pdd bench` JSON schema")
+
+    rep = sub.add_parser("report", help="the report's figures vs simulated, with sensitivity")
+    rep.add_argument("--scenario", default="report")
+    rep.add_argument("--num-requests", type=int, default=None)
+    rep.add_argument("--sensitivity-requests", type=int, default=600)
+    rep.add_argument("--no-sensitivity", action="store_true")
+    rep.add_argument("--out-dir", default="sim_out", help="where the PNGs and JSON go")
+    rep.add_argument("--seed", type=int, default=1)
+
+    cal = sub.add_parser("calibrate", help="fit cost-model coefficients to bench JSON; predict another run")
+    cal.add_argument("--fit", nargs="+", required=True, help="pdd bench JSON files to fit on")
+    cal.add_argument("--predict", required=True, help="hold-out pdd bench JSON to predict")
+    cal.add_argument("--n-prefill", type=int, default=1)
+    cal.add_argument("--n-decode", type=int, default=1)
+    cal.add_argument("--transfer-s", type=float, default=0.0, help="fixed KV hand-over time inside TTFT")
+
+
+def run(args: argparse.Namespace) -> int:
+    action = getattr(args, "sim_command", None)
+    if action == "run":
+        return _run(args)
+    if action == "report":
+        return _report(args)
+    if action == "calibrate":
+        return _calibrate(args)
+    print("usage: pdd sim {run,report,calibrate} ...", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .calibrate import to_bench_json
+    from .engine import simulate
+    from .metrics import Slo, summary
+    from .report import np_clean
+    from .scenario import Scenario, load_yaml, unit_poisson
+
+    data = load_yaml(args.scenario)
+    scn = Scenario.from_dict(data)
+    split = (dict((k, int(v)) for k, v in (kv.split("=") for kv in args.split.split(","))) if args.split
+             else scn.splits(args.system)[0])
+    wl = scn.arrays(args.num_requests)
+    inp = scn.sim_input(args.system, split, args.rate, wl, unit_poisson(len(wl), args.seed), args.seed)
+    res = simulate(inp)
+    out = summary(res, Slo(**data.get("slo", {})))
+    for k, v in out.items():
+        print(f"{k:>28}: {v}")
+    if args.save_bench_json:
+        Path(args.save_bench_json).write_text(json.dumps(to_bench_json(inp, res)))
+    print(json.dumps(np_clean({"system": args.system, "split": split, "rate": args.rate, **out})))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdd.loadgen.plots import plot_ttft_cdf
+
+    from .bathtub import BathtubInputs, bathtub, plot_bathtub
+    from .report import FIGURES, Reproduction, fmt, np_clean, sensitivity, within
+    from .scenario import load_yaml
+
+    console = Console(stderr=False, width=160)
+    data = load_yaml(args.scenario)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rep = Reproduction(data, n=args.num_requests, seed=args.seed)
+    figs = rep.figures()
+    targets = data.get("targets", {})
+
+    table = Table(title="PDD report figures: report vs simulated (from the stated setup, nothing fitted)")
+    for col in ("figure", "report", "simulated", "within ±15%"):
+        table.add_column(col)
+    for f in FIGURES:
+        t = targets.get(f)
+        table.add_row(f, fmt(t), fmt(figs[f]), "yes" if t is not None and within(t, figs[f]) else "no")
+    console.print(table)
+    d = figs["details"]
+    console.print(f"comparison load: {d['comparison_rate_rps']:.2f} req/s; best splits: {d['splits']}")
+    console.print(f"goodput (req/s): {json.dumps(np_clean(d['goodput_rps']))}; "
+                  f"vs naive cross-DC: {fmt(d['goodput_gain_vs_naive'])}; cost/token change: "
+                  f"{fmt(d['cost_per_token_change'])}; BCR: {json.dumps(np_clean(d['bcr']))}")
+    console.print(f"TTFT p50/p90 (s): {json.dumps(np_clean(d['ttft_p50_p90_s']))}; "
+                  f"P50 TTFT reduction {fmt(d['p50_ttft_reduction'])}; PDD mix {d['pdd_pipeline_mix']}")
+    console.print(f"hardware cost change for B at +20%..+30%: {fmt(d['hw_cost_change_b_price_range'])}")
+
+    plot_ttft_cdf({k: r.ttft for k, r in rep._results.items()}, out_dir / "sim_ttft_cdf.png",
+                  title=f"Simulated TTFT at {d['comparison_rate_rps']:.2f} req/s")
+    scn = rep.scn
+    hits = np.linspace(0.0, 1.0, 41)
+    per = 8
+    curves = {}
+    for disc in (0.10, 0.25):
+        prices = {"input": 0.60, "cached_input": 0.60 * disc, "output": 2.50}
+        dec = scn.cost_model("B", per)
+        b_in = BathtubInputs(scn.cost_model("A", per), dec, scn.chips["A"].price * per, scn.chips["B"].price * per,
+                             scn.workload.context_tokens, scn.workload.output_tokens,
+                             decode_batch=dec.kv_capacity_tokens / (scn.workload.context_tokens + scn.workload.output_tokens))
+        curves[f"cached input billed at {disc:.0%}"] = bathtub(b_in, hits, prices)
+    png = plot_bathtub(hits, curves, out_dir / "bathtub.png")
+    console.print(f"plots: {out_dir / 'sim_ttft_cdf.png'}, {png}")
+
+    rows = []
+    if not args.no_sensitivity:
+        rows = sensitivity(data, rep, args.sensitivity_requests)
+        st = Table(title=f"Sensitivity (each assumption moved alone; {args.sensitivity_requests} requests)")
+        st.add_column("parameter", no_wrap=True)
+        st.add_column("value", no_wrap=True)
+        for f in FIGURES:
+            st.add_column(f.replace("_", " "), no_wrap=True)
+        base = Reproduction(data, n=args.sensitivity_requests, seed=args.seed, splits=rep.splits).figures()
+        st.add_row("(nominal)", "", *(fmt(base[f]) for f in FIGURES))
+        for row in rows:
+            value = row["value"]
+            shown = "/".join(f"{v:g}" for v in value) if isinstance(value, tuple) else str(value)
+            st.add_row(row["param"], shown, *(fmt(row[f]) for f in FIGURES))
+        console.print(st)
+    result = {f: figs[f] for f in FIGURES}
+    (out_dir / "report.json").write_text(json.dumps(np_clean({**figs, "sensitivity": rows}), indent=1))
+    print(json.dumps(np_clean(result)))
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import BenchRun, compare, fit, predict
+    from .report import np_clean
+
+    runs = [BenchRun.load(p) for p in args.fit]
+    cm = fit(runs, transfer_s=args.transfer_s)
+    hold = BenchRun.load(args.predict)
+    pred = predict(cm, hold, args.n_prefill, args.n_decode, args.transfer_s)
+    cmp = compare(pred, hold)
+    print("fitted coefficients:", json.dumps(np_clean({k: v for k, v in cm.to_dict().items() if k in
+                                                       ("p0", "p_tok", "p_attn", "d0", "d_seq", "d_ctx")})))
+    for k, v in cmp.items():
+        print(f"{k:>18}: {v:.4g}")
+    print(json.dumps(np_clean({"coefficients": cm.to_dict(), **cmp})))
+    return 0

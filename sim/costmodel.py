@@ -1,0 +1,82 @@
+"""Per-instance cost model: how long a prefill, a decode step and an extend take.
+
+Roofline-shaped and linear in its coefficients, so the same form can be derived from chip
+datasheets (`from_hardware`) or fitted to live measurements (`pdd sim calibrate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .hardware import Chip, ModelSpec
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per operation on one instance (a group of chips holding one model replica)."""
+
+    p0: float = 0.02  # fixed cost of one prefill (scheduling, launch)
+    p_tok: float = 1e-5  # per new prompt token (weights FLOPs)
+    p_attn: float = 0.0  # per (new token x attended token) pair (attention FLOPs)
+    d0: float = 0.005  # fixed cost of one decode step
+    d_w: float = 0.0  # reading all weights once (scaled by the touched share for MoE)
+    d_seq: float = 0.0  # per sequence in the batch (compute)
+    d_ctx: float = 0.0  # per context token in the batch (KV reads)
+    kv_capacity_tokens: int = 1 << 40
+    experts: int = 0
+    experts_active: int = 0
+    expert_weight_fraction: float = 0.0
+
+    def prefill_time(self, new_tokens: float, cached_tokens: float) -> float:
+        return self.p0 + self.p_tok * new_tokens + self.p_attn * new_tokens * (cached_tokens + new_tokens / 2)
+
+    def touched(self, batch: float) -> float:
+        """Expected share of weights one decode step reads (MoE: only the routed experts hit)."""
+        if self.experts <= 0 or batch <= 0:
+            return 1.0
+        f = self.expert_weight_fraction
+        return (1 - f) + f * (1 - (1 - self.experts_active / self.experts) ** batch)
+
+    def step_time(self, batch: float, ctx_tokens: float) -> float:
+        """One decode step for `batch` sequences holding `ctx_tokens` KV tokens in total."""
+        w = self.d_w * self.touched(batch) if self.d_w else 0.0
+        return self.d0 + w + self.d_seq * batch + self.d_ctx * ctx_tokens
+
+    def extend_time(self, tokens: int, batch: float, ctx_tokens: float) -> float:
+        """Extend-Decode: k known tokens in one pass cost about one step plus their FLOPs."""
+        return self.step_time(batch + 1, ctx_tokens) + self.p_tok * tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_(self, **changes: Any) -> "CostModel":
+        return replace(self, **changes)
+
+
+def from_hardware(
+    chip: Chip, chips: int, model: ModelSpec, mfu: float, mbu: float, mem_util: float,
+    p0: float = 0.02, d0: float = 0.005,
+) -> CostModel:
+    """Derive coefficients from datasheet numbers and utilisation assumptions (no fitting)."""
+    peak = chips * chip.peak_tflops * 1e12 * mfu
+    bw = chips * chip.mem_bw_tbs * 1e12 * mbu
+    kv_bytes = chips * chip.mem_gb * 1e9 * mem_util - model.weight_bytes
+    if kv_bytes <= 0:
+        raise ValueError(
+            f"{model.name} ({model.weight_bytes / 1e9:.0f} GB) does not fit on {chips} x {chip.name} "
+            f"at memory utilisation {mem_util}"
+        )
+    return CostModel(
+        p0=p0,
+        p_tok=model.flops_per_token / peak,
+        p_attn=model.attn_flops_per_pair / peak,
+        d0=d0,
+        d_w=model.weight_bytes / bw,
+        d_seq=model.flops_per_token / peak,
+        d_ctx=model.kv_bytes_per_token / bw,
+        kv_capacity_tokens=int(kv_bytes / model.kv_bytes_per_token),
+        experts=model.experts,
+        experts_active=model.experts_active,
+        expert_weight_fraction=model.expert_weight_fraction,
+    )

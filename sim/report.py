@@ -1,0 +1,151 @@
+"""`pdd sim report`: the report's headline figures, simulated from its stated setup, plus sensitivity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .engine import SimResult, simulate
+from .metrics import Slo, goodput, summary
+from .scenario import Scenario, set_path, stage_capacity, unit_poisson
+
+FIGURES = ("ttft_reduction", "goodput_gain", "hw_cost_change", "wan_bandwidth_ratio", "rld_token_share")
+
+# (dotted scenario key, values tried): every assumption whose value is not a datasheet fact.
+SENSITIVITY: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("wan.bandwidth_gbps", (25, 400)),
+    ("wan.per_flow_gbps", (5, 20)),
+    ("wan.setup_s", (0.05, 0.5)),
+    ("wan.jitter_sigma", (0.25, 1.0)),
+    ("utilisation.mfu", (0.3, 0.5)),
+    ("utilisation.mbu", (0.5, 0.85)),
+    ("utilisation.mem_util", (0.85, 0.95)),
+    ("model.kv_bytes_per_token", (35000, 70000)),
+    ("chips.B.price", (1.2, 1.3)),
+    ("leased_line_cost", (0.0, 3.0)),
+    ("workload.hits.weights", ((0.25, 0.10, 0.15, 0.15, 0.15, 0.20), (0.08, 0.07, 0.15, 0.20, 0.25, 0.25))),
+    ("slo.ttft_s", (3.0, 10.0)),
+    ("slo.tpot_s", (0.03, 0.1)),
+    ("comparison.ttft_load", (0.3, 0.8)),
+    ("systems.pdd.first_token_from_prefill", (True,)),
+    ("systems.pdd.drc_alignment", (0.9,)),
+    ("policy.wan_masking_threshold_s", (0.1, 1.0)),
+)
+
+
+class Reproduction:
+    """Runs the three systems of a scenario and derives the report's figures from them."""
+
+    def __init__(self, data: dict[str, Any], n: int | None = None, seed: int = 1,
+                 splits: dict[str, dict[str, int]] | None = None) -> None:
+        self.data = data
+        self.scn = Scenario.from_dict(data)
+        self.slo = Slo(**data.get("slo", {}))
+        self.wl = self.scn.arrays(n)
+        self.unit = unit_poisson(len(self.wl), seed)
+        self.seed = seed
+        self.fixed_splits = splits or {}
+        self.splits: dict[str, dict[str, int]] = {}
+        self.goodputs: dict[str, float] = {}
+
+    def run(self, name: str, split: dict[str, int], rate: float, record_itl: bool = False) -> SimResult:
+        return simulate(self.scn.sim_input(name, split, rate, self.wl, self.unit, self.seed, record_itl))
+
+    def capacity(self, name: str, split: dict[str, int]) -> float:
+        return min(stage_capacity(self.scn.sim_input(name, split, 1.0, self.wl, self.unit)).values())
+
+    def best_goodput(self, name: str, top: int = 3) -> tuple[float, dict[str, int]]:
+        """The system at its best role split (searched, so no deployment is handicapped by a bad split)."""
+        cands = [self.fixed_splits[name]] if name in self.fixed_splits else self.scn.splits(name)
+        cands = sorted(cands, key=lambda s: -self.capacity(name, s))[:top]
+        best = (-1.0, cands[0])
+        for split in cands:
+            g = goodput(lambda r, s=split: self.run(name, s, r), self.slo, hi=max(1e-3, self.capacity(name, split)))
+            if g > best[0]:
+                best = (g, split)
+        self.goodputs[name], self.splits[name] = best
+        return best
+
+    def figures(self) -> dict[str, Any]:
+        g_base, _ = self.best_goodput("baseline")
+        g_naive, _ = self.best_goodput("naive")
+        g_pdd, _ = self.best_goodput("pdd")
+        load = float(self.data.get("comparison", {}).get("ttft_load", 0.5))
+        rate = load * self.capacity("naive", self.splits["naive"])
+        r_naive = self.run("naive", self.splits["naive"], rate, record_itl=True)
+        r_pdd = self.run("pdd", self.splits["pdd"], rate, record_itl=True)
+        r_base = self.run("baseline", self.splits["baseline"], rate, record_itl=True)
+        cost = {k: self.scn.hardware_cost(k) for k in ("baseline", "naive", "pdd")}
+        s_pdd, s_naive, s_base = (summary(r, self.slo) for r in (r_pdd, r_naive, r_base))
+        out: dict[str, Any] = {
+            "ttft_reduction": 1 - s_pdd["mean_ttft_s"] / s_naive["mean_ttft_s"],
+            "goodput_gain": g_pdd / g_base - 1 if g_base > 0 else float("nan"),
+            "hw_cost_change": cost["pdd"] / cost["baseline"] - 1,
+            "wan_bandwidth_ratio": s_pdd["wan_bytes_ratio_vs_full_kv"],
+            "rld_token_share": s_pdd["rld_token_share"],
+            "details": {
+                "comparison_rate_rps": rate,
+                "goodput_rps": {"baseline": g_base, "naive": g_naive, "pdd": g_pdd},
+                "goodput_gain_vs_naive": g_pdd / g_naive - 1 if g_naive > 0 else None,
+                "splits": self.splits,
+                "hardware_cost": cost,
+                "bcr": {k: self.goodputs[k] / cost[k] for k in cost},
+                "cost_per_token_change": (cost["pdd"] / g_pdd) / (cost["baseline"] / g_base) - 1
+                if g_pdd > 0 and g_base > 0 else None,
+                "ttft_p50_p90_s": {k: (s["p50_ttft_s"], s["p90_ttft_s"]) for k, s in
+                                    (("baseline", s_base), ("naive", s_naive), ("pdd", s_pdd))},
+                "p50_ttft_reduction": 1 - s_pdd["p50_ttft_s"] / s_naive["p50_ttft_s"],
+                "pdd_pipeline_mix": s_pdd["pipeline_mix"],
+                "pdd_max_itl_s": s_pdd["max_itl_s"],
+                "wan_gbps_mean": {"naive": s_naive["wan_gbps_mean"], "pdd": s_pdd["wan_gbps_mean"]},
+                "hw_cost_change_b_price_range": [self._cost_change(1.2), self._cost_change(1.3)],
+            },
+        }
+        self._results = {"baseline": r_base, "naive": r_naive, "pdd": r_pdd}
+        return out
+
+    def _cost_change(self, b_price: float) -> float:
+        scn = Scenario.from_dict(set_path(self.data, "chips.B.price", b_price))
+        return scn.hardware_cost("pdd") / scn.hardware_cost("baseline") - 1
+
+
+def sensitivity(data: dict[str, Any], nominal: Reproduction, n: int) -> list[dict[str, Any]]:
+    """Each assumption moved alone (splits held at their nominal best): how far each figure moves."""
+    rows = []
+    for key, values in SENSITIVITY:
+        for v in values:
+            varied = set_path(data, key, list(v) if isinstance(v, tuple) else v)
+            rep = Reproduction(varied, n=n, seed=nominal.seed, splits=nominal.splits)
+            figs = rep.figures()
+            rows.append({"param": key, "value": v, **{f: figs[f] for f in FIGURES}})
+    return rows
+
+
+def within(target: Any, value: float, tol: float = 0.15) -> bool:
+    if isinstance(target, (list, tuple)):
+        lo, hi = min(target), max(target)
+        return lo * (1 + tol if lo < 0 else 1 - tol) <= value <= hi * (1 - tol if hi < 0 else 1 + tol)
+    return abs(value - target) <= tol * abs(target)
+
+
+def fmt(x: Any) -> str:
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(fmt(v) for v in x) + "]"
+    if isinstance(x, float):
+        return f"{x:+.1%}" if abs(x) < 10 else f"{x:.3g}"
+    return str(x)
+
+
+def np_clean(obj: Any) -> Any:
+    """JSON-safe: numpy scalars to Python, NaN/inf to None."""
+    if isinstance(obj, dict):
+        return {str(k): np_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [np_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        f = float(obj)
+        return f if np.isfinite(f) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj

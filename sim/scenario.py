@@ -1,0 +1,160 @@
+"""Scenario files: chips, model, link, workload, systems -> `SimInput`s ready to run."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from pdd.loadgen.workload import AgenticConfig, HitDistribution, Workload, agentic_arrays
+from pdd.shared.policy import PolicyConfig
+
+from .costmodel import CostModel, from_hardware
+from .engine import SimInput
+from .hardware import Chip, ModelSpec, WanLink, build
+
+SCENARIO_DIR = Path(__file__).parent / "scenarios"
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists() and (SCENARIO_DIR / p).exists():
+        p = SCENARIO_DIR / p
+    if not p.exists() and (SCENARIO_DIR / f"{p}.yaml").exists():
+        p = SCENARIO_DIR / f"{p}.yaml"
+    data = yaml.safe_load(p.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: a scenario is a YAML mapping")
+    return data
+
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Copy of `data` with one nested key changed (`wan.bandwidth_gbps`): used by sensitivity runs."""
+    out = copy.deepcopy(data)
+    node = out
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+    return out
+
+
+@dataclass
+class Scenario:
+    """A parsed scenario: physical facts plus named systems (deployments) to compare."""
+
+    raw: dict[str, Any]
+    chips: dict[str, Chip]
+    model: ModelSpec
+    wan: WanLink
+    workload: AgenticConfig
+    policy: PolicyConfig
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Scenario":
+        chips = {k: build(Chip, v) for k, v in data["chips"].items()}
+        model = build(ModelSpec, data["model"])
+        wan = build(WanLink, data.get("wan", {}))
+        wl = dict(data.get("workload", {}))
+        hits = HitDistribution.from_dict(wl.pop("hits", None))
+        if "anomalous_output" in wl:
+            wl["anomalous_output"] = tuple(wl["anomalous_output"])
+        workload = AgenticConfig(hits=hits, **wl)
+        policy = PolicyConfig(**data.get("policy", {}))
+        return cls(data, chips, model, wan, workload, policy)
+
+    @property
+    def util(self) -> dict[str, float]:
+        return self.raw.get("utilisation", {})
+
+    def cost_model(self, chip: str, chips_per_instance: int) -> CostModel:
+        u = self.util
+        return from_hardware(
+            self.chips[chip], chips_per_instance, self.model, u.get("mfu", 0.4), u.get("mbu", 0.7),
+            u.get("mem_util", 0.9), u.get("prefill_overhead_s", 0.02), u.get("step_overhead_s", 0.005),
+        )
+
+    def system(self, name: str) -> dict[str, Any]:
+        try:
+            return self.raw["systems"][name]
+        except KeyError:
+            raise ValueError(f"no system {name!r}; have {sorted(self.raw.get('systems', {}))}") from None
+
+    def hardware_cost(self, name: str) -> float:
+        """Chips (including spares the split leaves idle) at their price, plus leased lines."""
+        s = self.system(name)
+        cost = sum(self.chips[c].price * n for c, n in s["chips"].items())
+        return cost + s.get("leased_lines", 0) * self.raw.get("leased_line_cost", 0.0)
+
+    def arrays(self, n: int | None = None, seed: int | None = None) -> Workload:
+        cfg = self.workload
+        if n is not None or seed is not None:
+            cfg = replace(cfg, num_requests=n or cfg.num_requests, seed=cfg.seed if seed is None else seed)
+        return agentic_arrays(cfg)
+
+    def sim_input(self, name: str, split: dict[str, int], rate: float, wl: Workload,
+                  unit_arrivals: np.ndarray, seed: int = 0, record_itl: bool = True) -> SimInput:
+        """One system with a given role split at an offered rate (arrivals = unit-rate times / rate)."""
+        s = self.system(name)
+        per = int(s.get("chips_per_instance", 8))
+        roles = s["roles"]
+        relay = roles.get("relay")
+        rdma = self.raw.get("rdma", {})
+        return SimInput(
+            arrivals=unit_arrivals / rate, prompt=wl.prompt, cached=wl.cached, output=wl.output,
+            prefill=self.cost_model(roles["prefill"], per), decode=self.cost_model(roles["decode"], per),
+            n_prefill=split["prefill"], n_decode=split["decode"], kv_bytes_per_token=self.model.kv_bytes_per_token,
+            kind=s["kind"], relay=self.cost_model(relay, per) if relay else None, n_relay=split.get("relay", 0),
+            wan=self.wan if s["kind"] != "local" else None,
+            rdma_gbps=rdma.get("gbps", 3200.0), rdma_setup_s=rdma.get("setup_s", 0.02),
+            drc=bool(s.get("drc", True)), drc_alignment=float(s.get("drc_alignment", 1.0)),
+            first_token_from_prefill=bool(s.get("first_token_from_prefill", False)),
+            policy=self.policy, seed=seed, record_itl=record_itl,
+        )
+
+    def splits(self, name: str) -> list[dict[str, int]]:
+        """Role splits to consider: fixed counts, or every split of the instances when 'auto'."""
+        s = self.system(name)
+        fixed = s.get("split")
+        if fixed:
+            return [dict(fixed)]
+        per = int(s.get("chips_per_instance", 8))
+        roles = s["roles"]
+        by_chip: dict[str, int] = {c: n // per for c, n in s["chips"].items()}
+        out = []
+        if roles["prefill"] == roles["decode"] and "relay" not in roles:
+            total = by_chip[roles["prefill"]]
+            out = [{"prefill": p, "decode": total - p} for p in range(1, total)]
+        elif "relay" in roles and roles["relay"] == roles["prefill"]:
+            total = by_chip[roles["prefill"]]
+            out = [{"prefill": total - r, "relay": r, "decode": by_chip[roles["decode"]]} for r in range(1, total)]
+        else:
+            out = [{"prefill": by_chip[roles["prefill"]], "decode": by_chip[roles["decode"]]}]
+        return out
+
+
+def unit_poisson(n: int, seed: int, burstiness: float = 1.0) -> np.ndarray:
+    """Arrival times at rate 1 (gamma gaps; shape 1 = Poisson). Divide by a rate to scale."""
+    rng = np.random.default_rng(seed + 7919)
+    gaps = rng.gamma(burstiness, 1.0 / burstiness, n)
+    return np.cumsum(gaps)
+
+
+def stage_capacity(inp: SimInput) -> dict[str, float]:
+    """Requests/s each stage could sustain alone (analytic): names the bottleneck."""
+    new = (inp.prompt - inp.cached).astype(float)
+    pre = inp.prefill.prefill_time(new, inp.cached.astype(float)).mean()
+    cap: dict[str, float] = {"prefill": inp.n_prefill / pre}
+    need = float((inp.prompt + inp.output).mean())
+    d = inp.decode
+    batch = max(1.0, d.kv_capacity_tokens / need)
+    ctx = batch * float((inp.prompt + inp.output / 2).mean())
+    cap["decode"] = inp.n_decode * batch / (d.step_time(batch, ctx) * float(inp.output.mean()))
+    if inp.wan is not None and inp.kind == "naive":
+        mean_t = inp.wan.setup_s + float(inp.prompt.mean()) * inp.kv_bytes_per_token / inp.wan.flow_bytes_per_s
+        cap["wan"] = inp.wan.flows / mean_t
+    return cap
