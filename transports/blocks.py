@@ -10,10 +10,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
-
-# torch.frombuffer warns on read-only buffers (zmq frames); we only ever read from them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 @dataclass(frozen=True)
@@ -62,12 +60,20 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def scatter(pool: torch.Tensor, ids: Sequence[int], payload: Any) -> None:
     """Write a verified payload into blocks ``ids`` of one layer's pool."""
     n = len(ids)
-    src = torch.frombuffer(payload, dtype=torch.uint8).view(n, -1)
-    dst = pool.view(pool.shape[0], -1).view(torch.uint8)
-    if pool.device.type != "cpu":
-        src = src.to(pool.device)
     start = _run_start(ids)
+    if pool.device.type == "cpu":  # numpy accepts read-only sources (zmq frames) without a copy
+        src = np.frombuffer(payload, dtype=np.uint8).reshape(n, -1)
+        dst = pool.view(pool.shape[0], -1).view(torch.uint8).numpy()
+        if start is not None:
+            dst[start:start + n] = src
+        else:
+            dst[np.asarray(ids)] = src
+        return
+    with warnings.catch_warnings():  # torch warns about read-only buffers; we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        src_t = torch.frombuffer(payload, dtype=torch.uint8).view(n, -1).to(pool.device)
+    dst_t = pool.view(pool.shape[0], -1).view(torch.uint8)
     if start is not None:
-        dst[start:start + n].copy_(src)
+        dst_t[start:start + n].copy_(src_t)
     else:
-        dst.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), src)
+        dst_t.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), src_t)

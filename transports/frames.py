@@ -6,7 +6,8 @@ checksum, optional W3C trace context). The receiver checks every field against w
 *before* touching its pool, so a corrupt, truncated, misaddressed or oversized frame is rejected
 with a typed error and never corrupts KV of any request.
 
-Wire form: ``MAGIC(4) | VERSION(1) | msgpack array``.
+Wire form: ``MAGIC(4) | VERSION(1) | msgpack array | xxh3-64 of the preceding bytes (8)``, so a
+flipped bit in the header (say, in a block id) is caught as surely as one in the payload.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class FrameHeader:
     def encode(self) -> bytes:
         body = [self.request_id, self.layer, self.tensor, list(self.block_ids), self.dtype,
                 list(self.shape), self.nbytes, self.checksum, self.trace_context]
-        return MAGIC + bytes([VERSION]) + msgpack.packb(body, use_bin_type=True)
+        data = MAGIC + bytes([VERSION]) + msgpack.packb(body, use_bin_type=True)
+        return data + xxhash.xxh3_64_digest(data)
 
 
 def checksum(payload: Any) -> int:
@@ -105,12 +107,14 @@ def decode_header(data: bytes | memoryview) -> FrameHeader:
     data = bytes(data)
     if len(data) > MAX_HEADER_BYTES:
         raise OversizeFrame(f"frame header of {len(data)} bytes exceeds {MAX_HEADER_BYTES}")
-    if len(data) < 6 or data[:4] != MAGIC:
-        raise MalformedHeader("not a PDD KV frame (bad magic)")
+    if len(data) < 14 or data[:4] != MAGIC:
+        raise MalformedHeader("not a PDD KV frame (bad magic or too short)")
     if data[4] != VERSION:
         raise MalformedHeader(f"unsupported frame version {data[4]} (expected {VERSION})")
+    if xxhash.xxh3_64_digest(data[:-8]) != data[-8:]:
+        raise ChecksumMismatch("frame header checksum mismatch")
     try:
-        body = msgpack.unpackb(data[5:], raw=False, strict_map_key=True,
+        body = msgpack.unpackb(data[5:-8], raw=False, strict_map_key=True,
                                max_array_len=MAX_BLOCKS_PER_FRAME, max_map_len=16)
     except Exception as exc:  # msgpack raises several unrelated types
         raise MalformedHeader(f"frame header is not valid msgpack: {exc}") from None

@@ -1,0 +1,139 @@
+"""CURVE authentication, the in-process shaper, telemetry and `pdd keys`."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+import zmq
+import zmq.asyncio
+
+import zmq.auth
+
+from pdd.transports import PeerLostError, create_transport
+from pdd.transports.blocks import FramePlan
+from pdd.transports.keys_cli import write_keypair
+
+from .conftest import Pair, layout_for, snapshot, unchanged
+
+LAYOUT = layout_for("float16", layers=2)
+
+
+async def test_curve_authorized_client_delivers(tmp_path) -> None:
+    _, server_secret = write_keypair(tmp_path, "server")
+    _, client_secret = write_keypair(tmp_path, "client")
+    client_public = zmq.auth.load_certificate(str(client_secret))[0]
+    async with Pair("zmq", LAYOUT,
+                    sender_opts={"curve": {"secret_key_file": str(client_secret)}},
+                    receiver_opts={"curve": {"secret_key_file": str(server_secret),
+                                             "authorized_clients": [client_public.decode()]}}) as pair:
+        assert "curve_public_key" in pair.receiver.descriptor()
+        handle = pair.receiver.expect("enc", [1, 2])
+        await pair.sender.send(pair.peer, "enc", [3, 4], [1, 2])
+        await handle
+
+
+async def test_curve_client_without_server_key_cannot_deliver(tmp_path) -> None:
+    _, server_secret = write_keypair(tmp_path, "server")
+    async with Pair("zmq", LAYOUT, receiver_opts={"curve": {"secret_key_file": str(server_secret)}}) as pair:
+        snap = snapshot(pair.dst_pool)
+        handle = pair.receiver.expect("r", [1, 2], timeout_s=60)
+        desc = pair.receiver.descriptor()
+        # 1) a plain client (no CURVE at all), 2) a CURVE client holding the wrong server key
+        wrong = {**desc, "curve_public_key": zmq.curve_keypair()[0].decode()}
+        for attempt in ({k: v for k, v in desc.items() if k != "curve_public_key"}, wrong):
+            intruder = create_transport("zmq", {"connect_timeout_s": 1.0, "streams": 1})
+            await intruder.start()
+            intruder.register(LAYOUT, *pair.src_pool)
+            with pytest.raises(PeerLostError, match="no handshake"):
+                await intruder.connect(attempt)
+            await intruder.close()
+        # 3) a raw socket pushing a well-formed frame without CURVE: never acknowledged, never written
+        header, payload = pair.sender._build_frame("r", FramePlan(0, 0, (0, 1), (1, 2)), None)
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(desc["address"])
+        await raw.send_multipart([struct.pack(">Q", 1), header, bytes(payload)])
+        assert await raw.poll(1000) == 0
+        raw.close()
+        assert not handle.done() and unchanged(pair.dst_pool, snap)
+
+
+async def test_curve_unauthorized_client_key_is_refused(tmp_path) -> None:
+    _, server_secret = write_keypair(tmp_path, "server")
+    _, client_secret = write_keypair(tmp_path, "client")
+    pair = Pair("zmq", LAYOUT, sender_opts={"curve": {"secret_key_file": str(client_secret)}, "connect_timeout_s": 1.0},
+                receiver_opts={"curve": {"secret_key_file": str(server_secret), "authorized_clients": []}})
+    with pytest.raises(PeerLostError, match="no handshake"):
+        await pair.__aenter__()
+    await pair.__aexit__(None, None, None)
+
+
+async def test_shaper_delays_then_blackhole_fails_cleanly() -> None:
+    async with Pair("inproc", LAYOUT) as pair:
+        shaped = create_transport("inproc", {"shape": {"rate": "80mbit", "delay": "30ms", "jitter": "5ms"}})
+        await shaped.start()
+        shaped.register(LAYOUT, *pair.src_pool)
+        peer = await shaped.connect(pair.receiver.descriptor())
+        handle = pair.receiver.expect("s", [1, 2, 3])
+        stats = await shaped.send(peer, "s", [0, 1, 2], [1, 2, 3])
+        await handle
+        assert stats.seconds >= 0.025  # at least the one-way delay minus jitter: shaping applied
+        shaped.down_timeout_s = 0.3
+        shaped.set_down(True)
+        handle = pair.receiver.expect("cut", [4], timeout_s=1.0)
+        with pytest.raises(PeerLostError, match="down"):
+            await shaped.send(peer, "cut", [0], [4])
+        with pytest.raises(Exception):
+            await handle
+        shaped.set_down(False)
+        handle = pair.receiver.expect("back", [4])
+        await shaped.send(peer, "back", [0], [4])
+        await handle
+        await shaped.close()
+
+
+async def test_telemetry_metrics_and_span() -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from prometheus_client import REGISTRY
+
+    exporter = InMemorySpanExporter()
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    before = REGISTRY.get_sample_value("pdd:kv_transfer_bytes_total", {"transport": "zmq", "direction": "send"}) or 0
+    tracer = trace.get_tracer("test")
+    async with Pair("zmq", LAYOUT) as pair:
+        with tracer.start_as_current_span("request") as parent:
+            carrier: dict[str, str] = {}
+            from opentelemetry import propagate
+
+            propagate.inject(carrier)
+            handle = pair.receiver.expect("t", [1])
+            stats = await pair.sender.send(pair.peer, "t", [0], [1], trace_context=carrier)
+            await handle
+    after = REGISTRY.get_sample_value("pdd:kv_transfer_bytes_total", {"transport": "zmq", "direction": "send"})
+    assert after - before == stats.bytes
+    assert REGISTRY.get_sample_value("pdd:kv_transfer_seconds_count", {"transport": "zmq"}) >= 2
+    assert REGISTRY.get_sample_value("pdd:kv_transfer_gbps_count", {"transport": "zmq"}) >= 2
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    for name in ("kv.transfer.send", "kv.transfer.recv"):
+        span = spans[name]
+        assert span.attributes["pdd.kv.bytes"] == stats.bytes and "pdd.kv.gbps" in span.attributes
+        assert span.context.trace_id == parent.get_span_context().trace_id
+
+
+def test_keys_cli_writes_loadable_pair(tmp_path) -> None:
+    from pdd.services.cli import main
+
+    assert main(["keys", "--out", str(tmp_path), "--name", "site-a"]) == 0
+    public, secret = zmq.auth.load_certificate(str(tmp_path / "site-a.key_secret"))
+    assert zmq.curve_public(secret) == public
+    assert (tmp_path / "site-a.key_secret").stat().st_mode & 0o077 == 0
+    assert main(["keys", "--out", str(tmp_path), "--name", "site-a"]) == 1  # no silent overwrite

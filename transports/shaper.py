@@ -1,0 +1,116 @@
+"""Portable in-process WAN shaper: wraps any transport and adds rate, delay, jitter, and a down switch.
+
+For non-root machines and unit tests. Each send is cut per layer; a layer's bytes occupy the
+emulated link for ``bytes / rate`` (a token bucket shared by all sends of this transport, so
+concurrent transfers share bandwidth), then arrive ``delay ± jitter`` later (in order, like a FIFO
+link). ``set_down(True)`` blackholes the link: sends stall and fail with PeerLostError after
+``down_timeout_s`` while receivers see nothing — a WAN cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, Sequence
+
+from .base import KVTransport, Peer
+from .errors import PeerLostError
+from .receiver import TransferHandle, TransferStats
+from .units import rate_bits, seconds
+
+
+class ShapedTransport(KVTransport):
+    def __init__(self, inner: KVTransport, rate: str | float | None = None, delay: str | float = 0.0,
+                 jitter: str | float = 0.0, seed: int = 0, down_timeout_s: float = 10.0) -> None:
+        super().__init__(inner.options)
+        self.inner = inner
+        self.name = inner.name  # peers see the real transport
+        self.rate_bps = rate_bits(rate) if rate else None
+        self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
+        self.down_timeout_s = down_timeout_s
+        self._rng = random.Random(seed)
+        self._link_free_at = 0.0  # token bucket as a virtual clock
+        self._last_arrival = 0.0
+        self._up = asyncio.Event()
+        self._up.set()
+
+    def set_down(self, down: bool = True) -> None:
+        """Cut (True) or restore (False) the emulated link."""
+        (self._up.clear if down else self._up.set)()
+
+    # ---- delegation --------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.inner.start()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    def register(self, layout: Any, k_cache: Sequence[Any], v_cache: Sequence[Any]) -> None:
+        self.inner.register(layout, k_cache, v_cache)
+        self.layout = layout
+
+    def descriptor(self) -> dict:
+        return self.inner.descriptor()
+
+    async def connect(self, desc: dict) -> Peer:
+        return await self.inner.connect(desc)
+
+    async def disconnect(self, peer: Peer) -> None:
+        await self.inner.disconnect(peer)
+
+    def expect(self, request_id: str, dst_blocks: Sequence[int], timeout_s: float = 30.0) -> TransferHandle:
+        return self.inner.expect(request_id, dst_blocks, timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.inner.cancel(request_id)
+
+    # ---- shaping -----------------------------------------------------------------------------
+    async def send(self, peer: Peer, request_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None) -> TransferStats:
+        layers = list(range(self.inner.layout.num_layers) if layers is None else layers)
+        per_layer = 2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor
+        t0 = time.monotonic()
+        deliveries = []
+        for layer in layers:
+            await self._wait_up(request_id)
+            arrival = self._schedule(per_layer)
+            deliveries.append(asyncio.create_task(self._deliver(
+                arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context)))
+        try:
+            results = await asyncio.gather(*deliveries)
+        finally:
+            for d in deliveries:
+                d.cancel()
+        return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results))
+
+    def _schedule(self, nbytes: int) -> float:
+        """Monotonic time at which these bytes have crossed the emulated link."""
+        now = time.monotonic()
+        start = max(now, self._link_free_at)
+        self._link_free_at = start + (nbytes * 8 / self.rate_bps if self.rate_bps else 0.0)
+        jitter = self._rng.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
+        arrival = max(self._link_free_at + max(0.0, self.delay_s + jitter), self._last_arrival)
+        self._last_arrival = arrival
+        return arrival
+
+    async def _deliver(self, at: float, peer: Peer, rid: str, src: Sequence[int], dst: Sequence[int],
+                       layers: list[int], tc: dict | None) -> TransferStats:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        await self._wait_up(rid)
+        return await self.inner.send(peer, rid, src, dst, layers, tc)
+
+    async def _wait_up(self, rid: str) -> None:
+        if self._up.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._up.wait(), self.down_timeout_s)
+        except asyncio.TimeoutError:
+            raise PeerLostError(f"emulated WAN link down for {self.down_timeout_s}s", rid) from None
+
+    # KVTransport hooks are unused: every public method delegates to the wrapped transport.
+    async def _start(self) -> None: ...
+    def _address(self) -> dict: return {}
+    async def _connect(self, peer: Peer) -> Any: ...
+    async def _send_frames(self, *a: Any) -> int: return 0
+    async def _close(self) -> None: ...
