@@ -89,13 +89,18 @@ class MainDecodeService(ReceiverService):
                 state.span.set_attribute("output_tokens", len(inc.outputs))
                 state.span.end()
             self.decoding.pop(inc.req.request_id, None)
-            self.incoming.pop(inc.req.request_id, None)
+            self.finish(inc.req.request_id)
 
     async def _on_handoff_tokens(self, message: Message, _: Envelope) -> None:
         assert isinstance(message, HandoffTokens)
         rid = message.request_id
         state = self.decoding.get(rid)
-        if state is None or state.owner:
+        if state is None:
+            if message.finish_reason is not None and rid in self.incoming:
+                # the relay finished before our KV even landed: nothing left to hand over
+                await self.drop(rid)
+            return
+        if state.owner:
             return
         inc = state.inc
         if message.start != len(inc.outputs):
@@ -104,7 +109,7 @@ class MainDecodeService(ReceiverService):
         if message.finish_reason is not None:
             # the relay finished the request itself: keep what we have in the DRC, emit nothing
             self.decoding.pop(rid, None)
-            self.incoming.pop(rid, None)
+            self.finish(rid)
             await self.runner.call(self._cache_and_free, rid, inc.committed)
             return
         inc.outputs.extend(message.token_ids)

@@ -99,8 +99,9 @@ class PrefillService(EngineService):
                     await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="finished at prefill"))
                 return
             blocks = await self.runner.call(self.engine.request_blocks, rid)
+            ready_plans = [await plans[d.instance_id] for d in dests]
             results = await asyncio.gather(
-                *(self._transfer(req, d, await plans[d.instance_id], blocks, first) for d in dests),
+                *(self._transfer(req, d, plan, blocks, first) for d, plan in zip(dests, ready_plans)),
                 return_exceptions=True)
             for dest, result in zip(dests, results):
                 if isinstance(result, BaseException):

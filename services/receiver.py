@@ -76,20 +76,33 @@ class ReceiverService(EngineService):
         except EngineInputError as exc:
             return ErrorReply(code="invalid_request", message=str(exc), request_id=rid)
         transport = self.transports[self.transport_kind]
-        timeout = max(1.0, min(IMPORT_LEASE_S, message.deadline_unix - time.time()))
+        remaining = max(1.0, message.deadline_unix - time.time())
+        timeout = min(IMPORT_LEASE_S, remaining)
         handle = transport.expect(rid, plan.dst_blocks, timeout_s=timeout) if plan.dst_blocks else None
         inc = Incoming(req=message, cached_tokens=plan.cached_tokens, handle=handle)
-        inc.lease_task = asyncio.create_task(self._lease(rid, timeout + 5))
+        inc.lease_task = asyncio.create_task(self._lease(rid, timeout, remaining + 5))
         self.incoming[rid] = inc
         return ImportPlan(request_id=rid, instance_id=self.instance_id, cached_tokens=plan.cached_tokens,
                           dst_blocks=plan.dst_blocks, descriptor=transport.descriptor())
 
-    async def _lease(self, rid: str, seconds: float) -> None:
-        await asyncio.sleep(seconds)
+    async def _lease(self, rid: str, kv_seconds: float, request_seconds: float) -> None:
+        """Free what a request holds here if its KV never lands, or if it outlives its deadline."""
+        await asyncio.sleep(kv_seconds)
         inc = self.incoming.get(rid)
-        if inc is not None and not inc.committed:
+        if inc is not None and inc.first_token is None:
             log.warning("import_lease_expired", request_id=rid)
             await self.drop(rid)
+            return
+        await asyncio.sleep(max(0.0, request_seconds - kv_seconds))
+        if rid in self.incoming:
+            log.warning("request_deadline_expired", request_id=rid)
+            await self.drop(rid)
+
+    def finish(self, rid: str) -> None:
+        """The request is done here (its KV was freed or cached by the engine)."""
+        inc = self.incoming.pop(rid, None)
+        if inc is not None and inc.lease_task:
+            inc.lease_task.cancel()
 
     async def _on_kv_ready(self, message: Message, _: Envelope) -> None:
         assert isinstance(message, KVReady)
@@ -107,6 +120,8 @@ class ReceiverService(EngineService):
                 if inc.handle is not None:
                     await inc.handle
             except Exception as exc:
+                if message.request_id not in self.incoming:  # cancelled or finished elsewhere meanwhile
+                    return
                 await self.send_error(inc.req.events_subject, message.request_id, "kv_transfer_failed",
                                       f"KV for {message.request_id} did not arrive at {self.instance_id}: {exc}",
                                       retryable=True)
@@ -115,8 +130,6 @@ class ReceiverService(EngineService):
         if message.request_id not in self.incoming:  # cancelled meanwhile
             return
         inc.kv_landed_unix = time.time()
-        if inc.lease_task:
-            inc.lease_task.cancel()
         try:
             await self.on_kv_landed(inc)
         except EngineInputError as exc:

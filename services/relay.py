@@ -46,6 +46,7 @@ class RelayService(ReceiverService):
     def __init__(self, config, instance):
         super().__init__(config, instance)
         self.relayed: dict[str, Relayed] = {}
+        self._early_ready: dict[str, HandoffReady] = {}
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -61,6 +62,9 @@ class RelayService(ReceiverService):
         state = Relayed(inc, span, ctx)
         self.relayed[inc.req.request_id] = state
         await self.commit(inc, [inc.first_token], lambda out: self._on_output(state, out))
+        early = self._early_ready.pop(inc.req.request_id, None)
+        if early is not None:  # MD's KV landed before ours
+            await self._on_handoff_ready(early, None)
 
     def _on_output(self, state: Relayed, out: StepOutput) -> None:
         if state.done:
@@ -98,7 +102,7 @@ class RelayService(ReceiverService):
                                    "finish_reason": finish_reason or "handoff"})
         state.span.end()
         self.relayed.pop(rid, None)
-        self.incoming.pop(rid, None)
+        self.finish(rid)
 
     def _batch_span(self, state: Relayed, start: int, count: int, final: bool) -> None:
         state.batches += 1
@@ -107,7 +111,7 @@ class RelayService(ReceiverService):
             "final": final})
         span.end()
 
-    async def _stop(self, state: Relayed) -> None:
+    async def _stop_relaying(self, state: Relayed) -> None:
         """Stop decoding now; every token produced before the stop is ours and is handed over."""
         state.stopping = True
         rid = state.inc.req.request_id
@@ -115,10 +119,14 @@ class RelayService(ReceiverService):
         self.runner.unwatch(rid)
         self._finalize(state, finish_reason=None)
 
-    async def _on_handoff_ready(self, message: Message, _: Envelope) -> None:
+    async def _on_handoff_ready(self, message: Message, _: Envelope | None) -> None:
         assert isinstance(message, HandoffReady)
         state = self.relayed.get(message.request_id)
-        if state is None or state.done or state.md_next is not None:
+        if state is None:
+            if message.request_id in self.incoming:
+                self._early_ready[message.request_id] = message
+            return
+        if state.done or state.md_next is not None:
             return
         state.md_next = message.next_position
         pending = len(state.inc.outputs) - message.next_position
@@ -127,7 +135,7 @@ class RelayService(ReceiverService):
         state.mode = mode
         state.span.add_event("handoff_ready", {"pending": pending, "mode": mode})
         if mode == HandoffMode.ONE_SHOT.value:
-            await self._stop(state)
+            await self._stop_relaying(state)
         else:
             self._send_batch(state)
 
@@ -148,9 +156,13 @@ class RelayService(ReceiverService):
             return
         gap = len(state.inc.outputs) - (message.through_position + 1)
         if gap <= self.config.policy.handoff_final_gap:
-            await self._stop(state)
+            await self._stop_relaying(state)
         else:
             self._send_batch(state)
+
+    async def drop(self, rid: str) -> None:
+        self._early_ready.pop(rid, None)
+        await super().drop(rid)
 
     async def cancel_request(self, request_id: str, reason: str) -> None:
         state = self.relayed.pop(request_id, None)

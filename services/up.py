@@ -68,7 +68,7 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict
     base["router"]["port"] = args.port
     wan = parse_wan(args.wan)
     if wan:
-        base["transports"]["wan"]["options"]["shaper"] = wan
+        base["transports"]["wan"]["options"]["shape"] = wan
     if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         base["telemetry"]["exporter"] = "jsonl"
         base["telemetry"]["jsonl_path"] = str(run_dir / "spans.jsonl")

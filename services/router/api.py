@@ -20,16 +20,15 @@ from typing import Any, AsyncIterator, Callable, Protocol, TypeVar, runtime_chec
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.errors import APIError, from_validation_error, install_error_handlers, log
 from pdd.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from pdd.services.router.streaming import (BackendStream, ClientDisconnected, Delta, Timings, text_deltas,
+from pdd.services.router.streaming import (BackendStream, ClientDisconnected, Delta, text_deltas,
                                            watch_disconnect)
 from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
-from pdd.shared import metrics
 from pdd.shared.protocol import SamplingSpec
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -40,6 +39,9 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy
 _TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-tokenize")
 
 T = TypeVar("T", bound=BaseModel)
+
+HTTP_RESPONSES = Counter("pdd:http_responses_total", "Router HTTP responses by route and status", ["route", "status"])
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 @runtime_checkable
@@ -60,6 +62,27 @@ class Backend(Protocol):
     def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Async generator of token events; raises GenerationError; closing it cancels the request."""
         ...
+
+
+class _CountResponses:
+    """Pure ASGI middleware counting responses (BaseHTTPMiddleware would wrap ``receive`` and
+    interfere with disconnect detection). Routes outside the API collapse into one label."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in _ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                HTTP_RESPONSES.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 class _SSEResponse(StreamingResponse):
@@ -157,9 +180,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 class _API:
     """Route handlers bound to one backend."""
 
-    def __init__(self, backend: Any, record_metrics: bool):
+    def __init__(self, backend: Any):
         self.backend = backend
-        self.record_metrics = record_metrics
         self.created = int(time.time())
         self._keys = [k.encode() for k in (getattr(backend, "api_keys", None) or [])]
 
@@ -236,6 +258,8 @@ class _API:
     def generation_request(self, prefix: str, prompt_ids: list[int],
                            req: CompletionRequest | ChatCompletionRequest) -> GenerationRequest:
         max_context = int(self.backend.max_context)
+        if max_context <= 0:  # no serving instance has announced itself yet
+            raise APIError(503, "no serving instance is available yet; retry shortly", code="service_unavailable")
         room = max_context - len(prompt_ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else room
         if room <= 0 or max_tokens > room:
@@ -262,36 +286,34 @@ class _API:
             deadline_unix=time.time() + timeout,
             forced_pipeline=req.pdd.pipeline if req.pdd else None,
             forced_handoff=req.pdd.handoff if req.pdd else None,
+            return_token_ids=bool(req.pdd and req.pdd.return_token_ids),
         )
 
     # ---- generation -----------------------------------------------------------------------
-    async def respond(self, request: Request, arrival: float, greq: GenerationRequest,
+    async def respond(self, request: Request, greq: GenerationRequest,
                       req: CompletionRequest | ChatCompletionRequest, fmt: _Formatter) -> Response:
         """Start the backend, wait for its first event (so early errors get a real status), then
         answer with one JSON body or an SSE stream."""
-        timings = Timings(arrival=arrival)
         detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list())
-        stream = BackendStream(self.backend.generate(greq), greq.request_id)
+        try:
+            agen = self.backend.generate(greq)
+        except GenerationError as exc:  # a backend may refuse before returning its generator
+            raise APIError.from_generation_error(exc) from None
+        stream = BackendStream(agen, greq.request_id)
         watcher = asyncio.create_task(watch_disconnect(request.receive, stream))
-        deltas = text_deltas(stream, detok, greq.sampling.max_tokens, greq.deadline_unix, timings)
-        if self.record_metrics:
-            metrics.RUNNING.inc()
-        outcome: dict[str, Any] = {"status": "error", "code": "cancelled"}
+        deltas = text_deltas(stream, detok, greq.sampling.max_tokens, greq.deadline_unix)
 
         async def finish() -> None:
             with anyio.CancelScope(shield=True):  # cleanup must not be cut short by cancellation
                 watcher.cancel()
                 await deltas.aclose()
                 await stream.close()
-            if self.record_metrics:
-                metrics.RUNNING.dec()
-                self._observe(greq, timings, outcome)
 
         try:
             first = await deltas.__anext__()
         except BaseException as exc:
             await finish()
-            raise self._as_api_error(exc, greq, outcome) from None
+            raise self._as_api_error(exc, greq) from None
 
         if not req.stream:
             try:
@@ -301,11 +323,9 @@ class _API:
                     last = await deltas.__anext__()
                     parts.append(last.text)
             except BaseException as exc:
-                raise self._as_api_error(exc, greq, outcome) from None
+                raise self._as_api_error(exc, greq) from None
             finally:
                 await finish()
-            outcome.update(status="ok", finish_reason=last.finish_reason, tokens=last.completion_tokens,
-                           info=last.info)
             usage = _usage(len(greq.prompt_ids), last.completion_tokens)
             return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
 
@@ -313,14 +333,12 @@ class _API:
             try:
                 for c in fmt.start_chunks():
                     yield _sse(c)
-                delta: Delta | None = first
-                while delta is not None:
+                delta = first
+                while True:
                     final = delta.finish_reason is not None
                     if delta.text or final:
                         yield _sse(fmt.chunk(delta, delta.info if final else None))
                     if final:
-                        outcome.update(status="ok", finish_reason=delta.finish_reason,
-                                       tokens=delta.completion_tokens, info=delta.info)
                         if fmt.include_usage:
                             usage = _usage(len(greq.prompt_ids), delta.completion_tokens)
                             yield _sse(fmt.usage_chunk(usage, delta.info))
@@ -330,8 +348,7 @@ class _API:
             except ClientDisconnected:
                 log.info("client_disconnected", request_id=greq.request_id)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-                err = self._as_api_error(exc, greq, outcome)
-                yield _sse(err.body())
+                yield _sse(self._as_api_error(exc, greq).body())  # type: ignore[union-attr]
                 yield _sse("[DONE]")
             finally:
                 await finish()
@@ -339,33 +356,19 @@ class _API:
         return _SSEResponse(body(), media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def _as_api_error(self, exc: BaseException, greq: GenerationRequest, outcome: dict) -> APIError | BaseException:
+    @staticmethod
+    def _as_api_error(exc: BaseException, greq: GenerationRequest) -> APIError | BaseException:
+        """The HTTP error for a failed generation; cancellation passes through unchanged."""
         if isinstance(exc, ClientDisconnected):
             log.info("client_disconnected", request_id=greq.request_id)
             return _Gone()
         if isinstance(exc, GenerationError):
-            outcome["code"] = exc.code
             log.info("generation_error", request_id=greq.request_id, status=exc.http_status, code=exc.code)
             return APIError.from_generation_error(exc)
         if isinstance(exc, Exception):
-            outcome["code"] = "internal_error"
             log.error("backend_error", request_id=greq.request_id, error_type=type(exc).__name__)
             return APIError(500, "internal error while generating", code="internal_error")
-        return exc  # CancelledError and friends propagate unchanged
-
-    def _observe(self, greq: GenerationRequest, timings: Timings, outcome: dict) -> None:
-        if outcome["status"] != "ok":
-            metrics.REQUEST_ERRORS.labels(code=outcome.get("code", "unknown")).inc()
-            return
-        pipeline = str(outcome.get("info", {}).get("pipeline", "unknown"))
-        metrics.REQUESTS.labels(finish_reason=outcome.get("finish_reason") or "stop").inc()
-        metrics.PROMPT_TOKENS.inc(len(greq.prompt_ids))
-        metrics.GENERATED_TOKENS.inc(outcome.get("tokens", 0))
-        if timings.first_token is not None:
-            metrics.TTFT.labels(pipeline=pipeline).observe(timings.first_token - timings.arrival)
-        for gap in timings.token_gaps:
-            metrics.ITL.labels(pipeline=pipeline).observe(gap)
-        metrics.E2E.labels(pipeline=pipeline).observe(time.monotonic() - timings.arrival)
+        return exc
 
 
 class _Gone(APIError):
@@ -375,38 +378,37 @@ class _Gone(APIError):
         super().__init__(499, "client closed request", code="client_closed_request")
 
 
-def create_app(backend: Any, *, record_metrics: bool = True) -> FastAPI:
+def create_app(backend: Backend) -> FastAPI:
     """The OpenAI-compatible app for ``backend`` (see ``Backend``).
 
-    ``record_metrics``: observe the router's per-request metrics (TTFT, ITL, E2E by pipeline,
-    finished/failed requests, token counters, running gauge) from the HTTP side.
+    Per-request serving metrics (TTFT, ITL, E2E, tokens) are the orchestrator's; this layer only
+    counts HTTP responses by route and status (``pdd:http_responses_total``), 4xx rejections included.
     """
-    api = _API(backend, record_metrics)
+    api = _API(backend)
     app = FastAPI(title="PDD router", summary="OpenAI-compatible API of the PDD router",
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(_CountResponses)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        arrival = time.monotonic()
         api.check_auth(request)
         req = api.parse(CompletionRequest, await api.read_body(request))
         api.check_model(req.model)
         prompt_ids = await api.tokenize_prompt(req.prompt)  # type: ignore[arg-type]
         greq = api.generation_request("cmpl", prompt_ids, req)
         fmt = _CompletionFormatter(greq.request_id, backend.model_name, req.include_usage())
-        return await api.respond(request, arrival, greq, req, fmt)
+        return await api.respond(request, greq, req, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        arrival = time.monotonic()
         api.check_auth(request)
         req = api.parse(ChatCompletionRequest, await api.read_body(request))
         api.check_model(req.model)
         prompt_ids = await api.tokenize_chat(req)
         greq = api.generation_request("chatcmpl", prompt_ids, req)
         fmt = _ChatFormatter(greq.request_id, backend.model_name, req.include_usage())
-        return await api.respond(request, arrival, greq, req, fmt)
+        return await api.respond(request, greq, req, fmt)
 
     def model_card() -> dict[str, Any]:
         return {"id": backend.model_name, "object": "model", "created": api.created, "owned_by": "pdd",

@@ -62,11 +62,25 @@ class APIError(Exception):
 
 _UNION_TAG = re.compile(r"[\[\]\-]|^(str|int|float|bool|list|dict|none|literal)$")
 
+# What a field that accepts several shapes expects, for messages clearer than pydantic's per-member ones.
+_EXPECTED = {
+    "prompt": "a string, or a list of token ids (non-negative integers)",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+}
 
-def _loc(loc: tuple[Any, ...]) -> str:
-    """Dotted field path of a pydantic error, without the union-member tags pydantic inserts."""
-    parts = [str(p) for p in loc if isinstance(p, int) or not _UNION_TAG.search(str(p))]
-    return ".".join(parts)
+
+def _param(loc: tuple[Any, ...]) -> tuple[str, bool]:
+    """Dotted field path of a pydantic error, cut at the first union-member tag pydantic inserts;
+    the flag says whether the path went through a union."""
+    parts: list[str] = []
+    for p in loc:
+        if p == "body" and not parts:
+            continue
+        if isinstance(p, str) and _UNION_TAG.search(p):
+            return ".".join(parts), True
+        parts.append(str(p))
+    return ".".join(parts), False
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
@@ -75,21 +89,21 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    if first.get("type") == "json_invalid":
+    kind = first.get("type")
+    if kind == "json_invalid":
         return APIError(400, "request body is not valid JSON", code="invalid_json")
-    if first.get("type") in ("model_type", "model_attributes_type", "dict_type") and not first.get("loc"):
-        return APIError(400, "request body must be a JSON object", code="invalid_request_error")
-    loc = tuple(p for p in first.get("loc", ()) if p != "body")
-    param = _loc(loc)
-    same_field = [e for e in errors if _loc(tuple(p for p in e.get("loc", ()) if p != "body")) == param]
-    msg = str(first.get("msg", "invalid value"))
-    if first.get("type") == "missing":
+    param, via_union = _param(tuple(first.get("loc", ())))
+    if not param and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return APIError(400, "request body must be a JSON object")
+    if via_union:
+        msg = "has the wrong type; expected " + _EXPECTED.get(param.rsplit(".", 1)[-1], "a different type")
+    elif kind == "missing":
         msg = "field required"
-    elif len(same_field) > 1 and "union" not in msg:
-        # A union field (e.g. prompt: str | list[int]) fails once per member; say what was expected.
-        msg = "has the wrong type or value: " + "; or ".join(dict.fromkeys(str(e["msg"]) for e in same_field))
-    msg = msg.removeprefix("Value error, ")
-    return APIError(400, f"'{param}': {msg}" if param else msg, code="invalid_request_error", param=param or None)
+    elif kind in ("model_type", "model_attributes_type", "dict_type"):
+        msg = "expected a JSON object"
+    else:
+        msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return APIError(400, f"'{param}': {msg}" if param else msg, param=param or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

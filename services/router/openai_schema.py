@@ -26,10 +26,12 @@ class _Model(BaseModel):
 
 
 class PDDOptions(_Model):
-    """The ``pdd`` extension object: force a pipeline and/or a handoff mode (tests, operators)."""
+    """The ``pdd`` extension object: force a pipeline and/or a handoff mode (tests, operators), and
+    ask for the output token ids in the response's ``pdd`` info (token-exact comparisons)."""
 
     pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
     handoff: Literal["one-shot", "catch-up"] | None = None
+    return_token_ids: StrictBool = False
 
 
 class StreamOptions(_Model):

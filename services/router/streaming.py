@@ -58,6 +58,7 @@ class BackendStream:
                 self._queue.put_nowait(event)
                 if event.finish_reason is not None:
                     break  # never resume the generator after its final event
+                await asyncio.sleep(0)  # a backend that never awaits must not starve the loop
             else:
                 self._queue.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which maps it to an HTTP error
@@ -117,26 +118,8 @@ class Delta:
     info: dict = field(default_factory=dict)
 
 
-@dataclass
-class Timings:
-    """Per-request latency samples, observed into metrics once the pipeline label is known."""
-
-    arrival: float
-    first_token: float | None = None
-    token_gaps: list[float] = field(default_factory=list)
-    _last: float | None = None
-
-    def tokens_arrived(self) -> None:
-        now = time.monotonic()
-        if self.first_token is None:
-            self.first_token = now
-        elif self._last is not None:
-            self.token_gaps.append(now - self._last)
-        self._last = now
-
-
 async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
-                      deadline_unix: float, timings: Timings) -> AsyncIterator[Delta]:
+                      deadline_unix: float) -> AsyncIterator[Delta]:
     """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens."""
     count = 0
     info: dict = {}
@@ -148,8 +131,6 @@ async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_
             yield Delta(detok.finish(), "stop", count, info)
             return
         info = {**info, **(event.info or {})}
-        if event.token_ids:
-            timings.tokens_arrived()
         parts: list[str] = []
         finish: str | None = None
         for token_id in event.token_ids:

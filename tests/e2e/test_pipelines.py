@@ -1,9 +1,15 @@
-"""End to end through real processes: every pipeline is token-identical to one engine alone."""
+"""End to end through real processes (router, P, RLD, MD; real NATS, zmq WAN, ucx fast path).
+
+The WAN carries an in-process shaper delay, so MD's KV lands after the relay has started: handoffs
+happen mid-stream, as across real datacenters.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -11,11 +17,15 @@ import pytest
 from tests.e2e.conftest import start_system
 
 PIPELINES = [("P-MD", None), ("P-RLD-MD", "one-shot"), ("P-RLD-MD", "catch-up"), ("P-RLD", None)]
+WAN_DELAY_S = 0.25
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory, nats_url, tiny_model):
-    sys_ = start_system(tmp_path_factory.mktemp("pdd"), nats_url, tiny_model)
+    sys_ = start_system(tmp_path_factory.mktemp("pdd"), nats_url, tiny_model,
+                        wan_options={"shape": {"delay": f"{int(WAN_DELAY_S * 1000)}ms"}},
+                        policy={"handoff_final_gap": 2})
     yield sys_
     sys_.stop()
 
@@ -27,36 +37,201 @@ def reference(tiny_model):
     return Engine.from_model(tiny_model, kv_memory_bytes=8 << 20, num_threads=1)
 
 
-def session_prompts(n_sessions: int = 10, turns: int = 5, seed: int = 7) -> list[list[int]]:
+def sessions(n_sessions: int, turns: int, seed: int) -> list[list[list[int]]]:
     """Multi-turn sessions: each turn extends the previous prompt, so hit rates are mixed (first turns miss)."""
     rng = random.Random(seed)
-    prompts = []
+    out = []
     for _ in range(n_sessions):
         prompt = [rng.randrange(5, 380) for _ in range(rng.randrange(20, 60))]
+        turns_ = []
         for _ in range(turns):
-            prompts.append(list(prompt))
+            turns_.append(list(prompt))
             prompt = prompt + [rng.randrange(5, 380) for _ in range(rng.randrange(8, 40))]
-    return prompts
+        out.append(turns_)
+    return out
 
 
-def complete(system, prompt: list[int], pipeline: str, handoff: str | None, max_tokens: int = 24) -> dict:
-    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "pdd": {"pipeline": pipeline, "return_token_ids": True, **({"handoff": handoff} if handoff else {})}}
-    r = httpx.post(system.base_url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
+def body_for(prompt: list[int], pipeline: str | None, handoff: str | None = None, **extra) -> dict:
+    pdd = {"return_token_ids": True}
+    if pipeline:
+        pdd["pipeline"] = pipeline
+    if handoff:
+        pdd["handoff"] = handoff
+    return {"model": "model", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "pdd": pdd, **extra}
+
+
+async def run_sessions(base_url: str, all_sessions, pipeline, handoff) -> list[tuple[list[int], dict]]:
+    results = []
+
+    async def one_session(client: httpx.AsyncClient, turns):
+        for prompt in turns:
+            r = await client.post(base_url + "/v1/completions", json=body_for(prompt, pipeline, handoff))
+            assert r.status_code == 200, r.text
+            results.append((prompt, r.json()))
+
+    async with httpx.AsyncClient(timeout=60) as client:
+        await asyncio.gather(*(one_session(client, s) for s in all_sessions))
+    return results
 
 
 @pytest.mark.parametrize("pipeline, handoff", PIPELINES)
 def test_pipeline_matches_single_engine(system, reference, pipeline, handoff):
+    """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone."""
     from pdd.shared.engine import SamplingParams
 
-    prompts = session_prompts()
-    expected = reference.generate(prompts, SamplingParams(), max_new_tokens=24)
-    for prompt, want in zip(prompts, expected):
-        body = complete(system, prompt, pipeline, handoff)
-        got = body["choices"][0]
+    all_sessions = sessions(10, 5, seed=PIPELINES.index((pipeline, handoff)))
+    results = asyncio.run(run_sessions(system.base_url, all_sessions, pipeline, handoff))
+    assert len(results) == 50
+    prompts = [p for p, _ in results]
+    expected = reference.generate(prompts, SamplingParams(), max_new_tokens=MAX_TOKENS)
+    handed_over = 0
+    for (prompt, body), want in zip(results, expected):
         info = body["pdd"]
         assert info["pipeline"] == pipeline
         assert info["token_ids"] == want, (pipeline, handoff, len(prompt))
         assert body["usage"]["completion_tokens"] == len(want)
+        if handoff and info.get("handoff_mode"):
+            assert info["handoff_mode"] == handoff
+            handed_over += 1
+    if handoff:
+        assert handed_over > 0, "no request was handed over to MD"
+
+
+def test_eager_tokens_reach_client_before_md_kv_lands(system):
+    """P-RLD-MD over a slow WAN: the relay's tokens stream before MD even has the KV."""
+    warm = httpx.post(system.base_url + "/v1/completions", json=body_for([5, 6, 7], "P-RLD-MD"), timeout=60)
+    assert warm.status_code == 200  # first use opens the ucx/zmq links; measure a request on warm links
+    prompt = list(range(7, 7 + 90))
+    arrivals = []
+    body = body_for(prompt, "P-RLD-MD", "catch-up", stream=True, ignore_eos=True)
+    body["max_tokens"] = 300  # long enough that MD takes over (the tiny model decodes fast)
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", system.base_url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            request_id = None
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                request_id = chunk["id"]
+                if chunk["choices"] and chunk["choices"][0].get("text"):
+                    arrivals.append(time.time_ns())
+    assert len(arrivals) >= 3
+    spans = wait_for_spans(system, lambda s: s["name"] == "kv.receive" and s["service"] == "pdd-decode"
+                           and s["attributes"].get("request_id") == request_id)
+    md_kv_landed = spans[-1]["end_ns"]
+    assert arrivals[1] < md_kv_landed, "second token should come from the relay before MD's KV landed"
+
+
+def wait_for_spans(system, predicate, timeout: float = 10.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = system.root / "spans.jsonl"
+        if path.exists():
+            found = [s for s in (json.loads(x) for x in path.read_text().splitlines() if x) if predicate(s)]
+            if found:
+                return found
+        time.sleep(0.2)
+    raise AssertionError("span not found")
+
+
+def metric_value(url: str, name: str) -> float:
+    text = httpx.get(url, timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_second_turn_moves_only_new_kv_over_wan(system, reference):
+    """Decode-side RadixCache: turn 2 reuses turn 1's KV at MD; only the new tokens' blocks cross."""
+    p_metrics = system.procs["p-0"].wait_log("service_ready")["metrics"]
+    block_size = 16
+    bytes_per_block = reference.layout.bytes_per_block_per_tensor * 2 * reference.layout.num_layers
+    rng = random.Random(99)
+    turn1 = [rng.randrange(5, 380) for _ in range(200)]
+    before = metric_value(p_metrics, "pdd:wan_bytes_total")
+    first = httpx.post(system.base_url + "/v1/completions", json=body_for(turn1, "P-MD"), timeout=60).json()
+    mid = metric_value(p_metrics, "pdd:wan_bytes_total")
+    answer = first["pdd"]["token_ids"]
+    new = [rng.randrange(5, 380) for _ in range(20)]
+    turn2 = turn1 + answer + new
+    second = httpx.post(system.base_url + "/v1/completions", json=body_for(turn2, "P-MD"), timeout=60).json()
+    after = metric_value(p_metrics, "pdd:wan_bytes_total")
+    turn1_bytes, turn2_bytes = mid - before, after - mid
+    assert turn1_bytes == -(-len(turn1) // block_size) * bytes_per_block
+    # MD holds turn 1's prompt and answer in full blocks; only the rest crosses the WAN
+    cached = (len(turn1) + len(answer) - 1) // block_size * block_size
+    assert second["pdd"]["md_cached_tokens"] >= cached - block_size
+    missing_blocks = -(-(len(turn2) - cached) // block_size)
+    assert turn2_bytes <= (missing_blocks + 1) * bytes_per_block
+    assert turn2_bytes * 4 < turn1_bytes
+
+
+def test_openai_client_chat_and_completions(system):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=system.base_url + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello there"}],
+                                          max_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello there"}],
+                                            max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat.choices[0].message.content
+    comp = client.completions.create(model=model, prompt="once upon a time", max_tokens=8, temperature=0)
+    assert comp.usage.completion_tokens >= 1
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="once upon a time", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert text == comp.choices[0].text
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b"{not json", 400),
+    (json.dumps({"model": "model", "prompt": "hi", "max_tokens": "ten"}).encode(), 400),
+    (json.dumps({"model": "model", "prompt": "hi", "max_tokens": 0}).encode(), 400),
+    (json.dumps({"model": "model", "prompt": "hi", "max_tokens": -5}).encode(), 400),
+    (json.dumps({"model": "nope", "prompt": "hi", "max_tokens": 4}).encode(), 404),
+    (json.dumps({"model": "model", "prompt": list(range(5, 300)) * 4, "max_tokens": 4}).encode(), 400),
+])
+def test_bad_requests_get_openai_errors(system, raw, status):
+    r = httpx.post(system.base_url + "/v1/completions", content=raw,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def engines_idle(system) -> dict[str, dict]:
+    out = {}
+    for iid in ("p-0", "rld-0", "md-0"):
+        eng = system.instance_health(iid)["engine"]
+        out[iid] = eng
+    return out
+
+
+def test_client_disconnect_cancels_and_frees_kv_everywhere(system):
+    for pipeline in ("P-MD", "P-RLD-MD", "P-RLD"):
+        body = body_for(list(range(20, 120)), pipeline, "catch-up" if pipeline == "P-RLD-MD" else None,
+                        stream=True)
+        body["max_tokens"] = 400
+        body["ignore_eos"] = True
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", system.base_url + "/v1/completions", json=body) as r:
+                got = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got += 1
+                    if got >= 3:
+                        break  # hang up mid-stream
+        deadline = time.monotonic() + 15
+        while True:
+            state = engines_idle(system)
+            busy = {k: v for k, v in state.items()
+                    if v["running"] or v["waiting"] or v["free_blocks"] + v["cached_blocks"] != v["total_blocks"]}
+            if not busy:
+                break
+            assert time.monotonic() < deadline, f"{pipeline}: KV not freed after disconnect: {busy}"
+            time.sleep(0.2)
