@@ -38,6 +38,7 @@ class AttentionMetadata:
     decode_block_index: torch.Tensor | None = None  # [B*max_blocks] block ids, padded
     decode_max_blocks: int = 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] True = attend
+    decode_len0: int = 0  # context length of the first decode sequence
     prefills: list[PrefillSegment] = field(default_factory=list)
 
 
@@ -63,6 +64,7 @@ def build_attention_metadata(
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in decode_tables]
         meta.decode_block_index = torch.tensor(padded, dtype=torch.long).reshape(-1)
         meta.decode_max_blocks = max_blocks
+        meta.decode_len0 = decode_lens[0]
         lens = torch.tensor(decode_lens, dtype=torch.long)
         meta.decode_mask = (torch.arange(max_blocks * block_size)[None, :] < lens[:, None]).view(
             len(decode_tables), 1, 1, -1
@@ -98,6 +100,30 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, block_ids)
 
 
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """One query token per sequence over its gathered blocks. q [B, Hq, D] -> [B, Hq, D]."""
+    nd, hq, dim = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    length = meta.decode_max_blocks * k_cache.shape[1]
+    kg = _gather(k_cache, meta.decode_block_index).view(nd, length, hkv, dim)
+    vg = _gather(v_cache, meta.decode_block_index).view(nd, length, hkv, dim)
+    qg = q.view(nd, hkv, group, dim)
+    if nd == 1:
+        # a single sequence needs no padding mask: plain matmul attention over its exact length
+        n = meta.decode_len0
+        scores = torch.matmul(qg, kg[:, :n].permute(0, 2, 3, 1)).mul_(scale)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, vg[:, :n].transpose(1, 2))
+    else:
+        out = F.scaled_dot_product_attention(
+            qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
+        )
+    return out.reshape(nd, hq, dim)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,14 +141,8 @@ def paged_attention(
     block_size = k_cache.shape[1]
     out = torch.empty(num_tokens, hq, dim, dtype=q.dtype, device=q.device) if meta.prefills else None
     nd = meta.num_decode
-    decode_out = None
     if nd:
-        length = meta.decode_max_blocks * block_size
-        kg = _gather(k_cache, meta.decode_block_index).view(nd, length, hkv, dim).transpose(1, 2)
-        vg = _gather(v_cache, meta.decode_block_index).view(nd, length, hkv, dim).transpose(1, 2)
-        qg = q[:nd].view(nd, hkv, group, dim)
-        decode_out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.decode_mask, scale=scale)
-        decode_out = decode_out.reshape(nd, hq, dim)
+        decode_out = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
         if out is None:
             return decode_out.reshape(nd, hq * dim)
         out[:nd] = decode_out

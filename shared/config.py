@@ -39,6 +39,7 @@ class ModelConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)
     threads: int | None = Field(None, ge=1, description="torch threads per instance (default: torch's choice)")
+    enable_prefix_cache: bool = Field(True, description="radix prefix cache (P) / Decode-side RadixCache (MD)")
 
 
 class NatsConfig(_Strict):

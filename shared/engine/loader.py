@@ -145,5 +145,6 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                 arr = _reverse_permute(arr, config.num_kv_heads)
         else:
             continue
-        weights[hf] = torch.from_numpy(np.ascontiguousarray(arr))
+        arr = np.ascontiguousarray(arr)
+        weights[hf] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
     return config, weights

@@ -34,6 +34,7 @@ class Request:
     cached_tokens: int = 0
     stop_position: int | None = None  # produce outputs with index < stop_position
     check_known: bool = False  # known tokens were appended: check finish before sampling
+    paused: bool = False  # compute known tokens' KV but sample nothing (MD between catch-up batches)
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     @property

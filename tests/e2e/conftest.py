@@ -100,3 +100,23 @@ def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None
         system.stop()
         raise
     return system
+
+
+WAN_DELAY_S = 0.25
+
+
+@pytest.fixture(scope="session")
+def system(tmp_path_factory, nats_url, tiny_model):
+    """One system for the e2e session; the WAN delay makes MD's KV land mid-stream."""
+    sys_ = start_system(tmp_path_factory.mktemp("pdd"), nats_url, tiny_model,
+                        wan_options={"shape": {"delay": f"{int(WAN_DELAY_S * 1000)}ms"}},
+                        policy={"handoff_final_gap": 2})
+    yield sys_
+    sys_.stop()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model):
+    from pdd.shared.engine import Engine
+
+    return Engine.from_model(tiny_model, kv_memory_bytes=8 << 20, num_threads=1)
