@@ -54,7 +54,7 @@ class EngineService(Service):
         self.runner = await EngineRunner.load(
             path=m.path, dtype=m.dtype, num_threads=m.threads, kv_memory_bytes=m.kv_memory_mb * 1024 * 1024,
             block_size=m.block_size, max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
-            cache_finished=self.cache_finished,
+            cache_finished=self.cache_finished, enable_prefix_cache=m.enable_prefix_cache,
         )
         self.runner.start()
         log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), layout=self.engine.layout.to_dict(),
@@ -139,7 +139,7 @@ class EngineService(Service):
                          retryable: bool = False) -> None:
         log.warning("request_failed", request_id=request_id, code=code, error=message)
         try:
-            await self.bus.publish(subject, ErrorReply(code=code, message=message, request_id=request_id,
+            await self.bus.publish(subject, ErrorReply(code=str(code), message=message, request_id=request_id,
                                                        instance_id=self.instance_id, retryable=retryable))
         except Exception as exc:
             log.warning("error_publish_failed", request_id=request_id, error=str(exc))

@@ -105,8 +105,7 @@ class PrefillService(EngineService):
                 return_exceptions=True)
             for dest, result in zip(dests, results):
                 if isinstance(result, BaseException):
-                    code = getattr(result, "code", "kv_transfer_failed")
-                    await self.send_error(req.events_subject, rid, code,
+                    await self.send_error(req.events_subject, rid, "kv_transfer_failed",
                                           f"KV transfer to {dest.instance_id} failed: {result}",
                                           retryable=True)
                     await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="kv transfer failed"))

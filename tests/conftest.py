@@ -17,3 +17,11 @@ def nats_server():
 @pytest.fixture(scope="session")
 def nats_url(nats_server) -> str:
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny seeded Llama checkpoint (real HF folder + tokenizer) for services under test."""
+    from pdd.shared.engine.tiny import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=1024)

@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# ucxx's default progress mode busy-polls requests: 25-45% of a core per process even when idle,
+# and erratic transfer times on small CPU hosts. Python futures wake on completion instead.
+os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
 from .base import KVTransport, Peer  # noqa: E402
 from .blocks import FramePlan  # noqa: E402
@@ -232,6 +235,7 @@ class UcxTransport(KVTransport):
 
     async def _send_here(self, link: _Link, rid: str, plans: list[FramePlan], tc: dict | None) -> int:
         pending = []
+        registered: list[int] = []
         try:
             for plan in plans:
                 header, payload = self._build_frame(rid, plan, tc)
@@ -247,6 +251,7 @@ class UcxTransport(KVTransport):
                     link.next_seq += 1
                     link.inflight[seq] = (fut, payload.nbytes)
                     link.inflight_bytes += payload.nbytes
+                    registered.append(seq)
                     pending.append(fut)
                     await self._bounded(self._post(link.ep, seq, header, payload), rid)
             total = 0
@@ -256,6 +261,14 @@ class UcxTransport(KVTransport):
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
             raise
+        finally:  # give the window back for frames a failed or cancelled send left unacknowledged
+            for seq in registered:
+                entry = link.inflight.pop(seq, None)
+                if entry is not None:
+                    link.inflight_bytes -= entry[1]
+                    link.released.set()
+                    if not entry[0].done():
+                        entry[0].cancel()
 
     @staticmethod
     async def _post(ep: Any, seq: int, header: bytes, payload: memoryview) -> None:

@@ -270,6 +270,7 @@ class ZmqTransport(KVTransport):
 
     async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
         pending: list[asyncio.Future] = []
+        registered: list[tuple[_Stream, int]] = []
         errors: list[BaseException] = []  # first failure of any frame stops the send at once
 
         def on_done(f: asyncio.Future) -> None:
@@ -291,6 +292,7 @@ class ZmqTransport(KVTransport):
                 fut.add_done_callback(on_done)
                 stream.inflight[seq] = (fut, payload.nbytes)
                 stream.inflight_bytes += payload.nbytes
+                registered.append((stream, seq))
                 pending.append(fut)
                 await self._bounded(stream.sock.send_multipart([_SEQ.pack(seq), header, payload], copy=False), rid)
             total = 0
@@ -300,6 +302,17 @@ class ZmqTransport(KVTransport):
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
             raise
+        finally:
+            # A failed or cancelled send must give its window back: frames never sent (or never
+            # acknowledged) would otherwise hold the stream's in-flight budget forever and stall
+            # every later transfer on this link.
+            for stream, seq in registered:
+                entry = stream.inflight.pop(seq, None)
+                if entry is not None:
+                    stream.inflight_bytes -= entry[1]
+                    stream.released.set()
+                    if not entry[0].done():
+                        entry[0].cancel()
 
     async def _acquire(self, stream: _Stream, nbytes: int, rid: str) -> None:
         """Backpressure: wait until this frame fits in the stream's unacknowledged window."""

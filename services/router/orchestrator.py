@@ -130,7 +130,9 @@ class Orchestrator:
         arrival = time.monotonic()
         with tracer.start_as_current_span("router.request", attributes={
                 "request_id": req.request_id, "prompt_tokens": len(req.prompt_ids)}) as span:
+            t_route = time.monotonic()
             route = await self.route(req)
+            span.set_attribute("route_ms", round((time.monotonic() - t_route) * 1000, 2))
             span.set_attributes({"pipeline": route.pipeline, "prefill": route.prefill.instance_id,
                                  "relay": route.relay.instance_id if route.relay else "",
                                  "decode": route.decode.instance_id if route.decode else ""})
@@ -160,6 +162,12 @@ class Orchestrator:
                     if isinstance(item, GenerationError):
                         raise item
                     now = time.monotonic()
+                    boundary = state.tracker.relay_until
+                    if (item.token_ids and boundary is not None and last is not None
+                            and len(state.emitted) <= boundary + 1 < len(state.emitted) + len(item.token_ids)):
+                        stall = now - last  # the gap in which ownership moved from the relay to MD
+                        metrics.HANDOFF_STALL.observe(stall)
+                        span.set_attribute("handoff_stall_ms", round(stall * 1000, 2))
                     if item.token_ids:
                         if not state.emitted:
                             metrics.TTFT.labels(route.pipeline).observe(now - arrival)
@@ -168,6 +176,9 @@ class Orchestrator:
                             metrics.ITL.labels(route.pipeline).observe(now - last)
                         last = now
                         state.emitted.extend(item.token_ids)
+                        if len(state.emitted) <= 64:  # the stream's start: where eager tokens show (spans cap events)
+                            span.add_event("tokens", {"count": len(item.token_ids), "emitted": len(state.emitted),
+                                                      "relay_tokens": state.tracker.relay_tokens})
                     if item.finish_reason is not None:
                         finished = True
                         item.info = self._info(state)
@@ -207,6 +218,12 @@ class Orchestrator:
         return info
 
     def _record_finish(self, state: InFlight, reason: str, e2e: float) -> None:
+        prompt = max(1, len(state.request.prompt_ids))
+        metrics.REQUEST_HIT_RATIO.labels("P").observe(state.p_cached / prompt)
+        if "md_cached_tokens" in state.meta:
+            metrics.REQUEST_HIT_RATIO.labels("MD").observe(state.meta["md_cached_tokens"] / prompt)
+        if "wan_bytes" in state.meta:
+            metrics.REQUEST_WAN_BYTES.observe(state.meta["wan_bytes"])
         metrics.E2E.labels(state.route.pipeline).observe(e2e)
         metrics.REQUESTS.labels(reason).inc()
         metrics.GENERATED_TOKENS.inc(len(state.emitted))

@@ -21,13 +21,6 @@ def ucx_available() -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from pdd.shared.engine.tiny import build_tiny_checkpoint
-
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=1024)
-
-
 class System:
     def __init__(self, root: Path, config_path: Path, port: int, procs: dict[str, ServiceProcess]):
         self.root = root
@@ -86,7 +79,7 @@ def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None
         },
         "router": {"port": port, "request_timeout_s": 60},
         "policy": policy or {},
-        "service": {"heartbeat_ms": 200, "drain_timeout_s": 5},
+        "service": {"heartbeat_ms": 500, "missed_heartbeats": 6, "drain_timeout_s": 5},
         "telemetry": {"exporter": "jsonl", "jsonl_path": str(root / "spans.jsonl"), "log_format": "json"},
     }
     path = write_config(root / "pdd.yaml", config)
@@ -102,7 +95,7 @@ def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None
     return system
 
 
-WAN_DELAY_S = 0.25
+WAN_DELAY_S = 0.5
 
 
 @pytest.fixture(scope="session")

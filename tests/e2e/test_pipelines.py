@@ -16,7 +16,7 @@ import pytest
 
 
 PIPELINES = [("P-MD", None), ("P-RLD-MD", "one-shot"), ("P-RLD-MD", "catch-up"), ("P-RLD", None)]
-MAX_TOKENS = 96  # long enough that MD's KV lands mid-stream (the tiny model decodes fast)
+MAX_TOKENS = 200  # long enough that MD's KV lands mid-stream (the tiny model decodes fast)
 
 
 def sessions(n_sessions: int, turns: int, seed: int) -> list[list[list[int]]]:

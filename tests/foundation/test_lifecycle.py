@@ -17,8 +17,10 @@ HEARTBEAT_MS = 200
 
 
 @pytest.fixture
-def config_path(tmp_path, nats_url):
+def config_path(tmp_path, nats_url, tiny_model):
     return write_config(tmp_path / "pdd.yaml", {
+        "model": {"path": tiny_model},
+        "router": {"port": 0},
         "nats": {"url": nats_url},
         "sites": [{"name": "site-a"}, {"name": "site-b"}],
         "instances": [
