@@ -15,7 +15,12 @@ import random
 import sys
 import time
 
-import torch
+# `python bench/engine.py` puts bench/ first on sys.path, where bench/pdd.py would shadow the
+# `pdd` package: drop the script folder (the package is importable through the install).
+if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import torch  # noqa: E402
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:

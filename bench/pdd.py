@@ -6,6 +6,8 @@ Setups, started one after another on this machine (real processes: nats-server, 
   2. naive      cross-site PD: always P->MD (forced), WAN shaped, MD without DRC
                 (PDD__MODEL__ENABLE_PREFIX_CACHE=false on MD only), so the full prompt KV crosses
                 the WAN on every turn.
+  Both baselines are conventional PD (router.first_token_after_kv): the client's first token
+  arrives once the decoder has the KV, as in vLLM/SGLang PD; PDD streams it from P at once.
   3. pdd        the router's policy chooses the pipeline per request (no forced pipeline), MD with
                 DRC, relay available, WAN shaped.
 
@@ -164,7 +166,8 @@ class System:
                 {"id": "md-0", "role": "decode", "site": "site-a" if self.name == "colocated" else "site-b"},
             ],
             "transports": {"fast": {"name": fast, "options": {}}, "wan": {"name": "zmq", "options": wan_opts}},
-            "router": {"port": self.port, "request_timeout_s": 600},
+            # the baselines are conventional PD: the client's first token waits for the decoder's KV
+            "router": {"port": self.port, "request_timeout_s": 600, "first_token_after_kv": self.name != "pdd"},
             "policy": policy,
             "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
             "telemetry": {"exporter": "jsonl", "jsonl_path": str(self.spans_path), "log_format": "json"},

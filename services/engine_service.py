@@ -101,8 +101,14 @@ class EngineService(Service):
                 self._peers[key] = await self.transports[kind].connect(descriptor)
             return self._peers[key]
 
-    def forget_peer(self, kind: str, descriptor: dict) -> None:
-        self._peers.pop((kind, str(descriptor.get("instance_id"))), None)
+    async def forget_peer(self, kind: str, descriptor: dict) -> None:
+        """Close a broken link so the next transfer to that pool opens a fresh one."""
+        peer = self._peers.pop((kind, str(descriptor.get("instance_id"))), None)
+        if peer is not None:
+            try:
+                await self.transports[kind].disconnect(peer)
+            except Exception as exc:
+                log.debug("disconnect_failed", error=str(exc))
 
     # -- bus handlers -----------------------------------------------------------------------------
     async def _on_cancel(self, message: Message, _: Envelope) -> None:

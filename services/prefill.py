@@ -21,6 +21,7 @@ from pdd.shared.protocol import (
     Cancel, ImportPlan, KVReady, Message, PrefillResult, PrepareImport, Subjects, SubmitRequest,
 )
 from pdd.shared.telemetry import get_logger, inject_headers
+from pdd.transports.errors import PeerLostError
 
 log = get_logger("pdd.prefill")
 tracer = trace.get_tracer("pdd.prefill")
@@ -48,6 +49,12 @@ class PrefillService(EngineService):
 
     def in_flight(self) -> int:
         return len(self._active)
+
+    async def on_stop(self) -> None:
+        for task in list(self._active.values()):  # past the drain timeout: give up on them cleanly
+            task.cancel()
+        await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await super().on_stop()
 
     async def _on_submit(self, message: Message, _: Envelope) -> None:
         assert isinstance(message, SubmitRequest)
@@ -182,8 +189,8 @@ class PrefillService(EngineService):
                 try:
                     stats = await self.transports[dest.transport].send(peer, req.request_id, src, plan.dst_blocks,
                                                                        trace_context=inject_headers())
-                except Exception:
-                    self.forget_peer(dest.transport, plan.descriptor)
+                except PeerLostError:  # the link is gone: the next transfer opens a new one
+                    await self.forget_peer(dest.transport, plan.descriptor)
                     raise
                 nbytes, seconds = stats.bytes, time.monotonic() - t0
             gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0

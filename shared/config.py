@@ -101,6 +101,9 @@ class RouterConfig(_Strict):
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
     forced_pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
     forced_handoff: Literal["one-shot", "catch-up"] | None = None
+    first_token_after_kv: bool = Field(
+        False, description="conventional PD (the naive cross-site baseline): hold the first token until the "
+                           "decoder that owns the request has its KV and streams; PDD streams it from P at once")
 
 
 class ServiceConfig(_Strict):

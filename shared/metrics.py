@@ -28,6 +28,10 @@ PIPELINE = Counter("pdd:pipeline_requests_total", "Pipeline chosen per request",
 HANDOFF = Counter("pdd:handoff_total", "Relay to main-decode handoffs", ["mode"])
 HANDOFF_STALL = Histogram("pdd:handoff_stall_seconds",
                           "Longest gap between tokens around the ownership switch relay -> MD", buckets=_LATENCY)
+REQUEST_HIT_RATIO = Histogram("pdd:request_prefix_hit_ratio", "Per-request share of the prompt already cached",
+                              ["side"], buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 1.0))
+REQUEST_WAN_BYTES = Histogram("pdd:request_wan_bytes", "KV bytes one request moved across the WAN",
+                              buckets=(0, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30))
 RUNNING = Gauge("pdd:num_requests_running", "Requests in flight at this router")
 
 # Engines (P, RLD, MD)

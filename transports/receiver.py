@@ -168,7 +168,8 @@ class ReceiveRegistry:
             stats = TransferStats(done.bytes, time.monotonic() - done.started, done.frames)
             telemetry.record(self._name, "recv", stats.bytes, stats.seconds, done.trace_context,
                              request_id=done.request_id)
-            done.future.set_result(stats)
+            if not done.future.done():  # it may have been failed (timeout, cancel) in a race
+                done.future.set_result(stats)
         return header.nbytes
 
     # ---- internals ---------------------------------------------------------------------------

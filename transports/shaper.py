@@ -77,11 +77,13 @@ class ShapedTransport(KVTransport):
             arrival = self._schedule(per_layer)
             deliveries.append(asyncio.create_task(self._deliver(
                 arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context)))
-        try:
-            results = await asyncio.gather(*deliveries)
-        finally:
-            for d in deliveries:
-                d.cancel()
+        # every layer's delivery runs to its end (success or a typed failure): cancelling one mid-send
+        # could cut a frame in half on the wire
+        outcomes = await asyncio.gather(*deliveries, return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            raise failures[0]
+        results = outcomes
         return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results))
 
     def _schedule(self, nbytes: int) -> float:

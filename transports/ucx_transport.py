@@ -160,6 +160,9 @@ class UcxTransport(KVTransport):
             except TransferError as exc:
                 code = exc.code
                 log.warning("ucx transport: rejected frame: %s: %s", type(exc).__name__, exc)
+            except Exception:  # a bug must cost one frame, never the receive loop
+                code = 11
+                log.exception("ucx transport: frame handling failed")
             await ep.send(_ACK.pack(seq, code))
 
     # ---- sender ------------------------------------------------------------------------------
@@ -231,7 +234,9 @@ class UcxTransport(KVTransport):
                            trace_context: dict | None) -> int:
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
-        return await self._lt.run(self._send_here(peer.state, request_id, plans, trace_context))
+        # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
+        # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
+        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context)))
 
     async def _send_here(self, link: _Link, rid: str, plans: list[FramePlan], tc: dict | None) -> int:
         pending = []

@@ -89,6 +89,7 @@ class ZmqTransport(KVTransport):
         self._lt: LoopThread | None = None
         self._tasks: list[asyncio.Task] = []
         self._links: list[list[_Stream]] = []
+        self._link_count = 0
 
     # ---- lifecycle (public methods hop onto the private loop) -------------------------------
     async def _start(self) -> None:
@@ -114,6 +115,8 @@ class ZmqTransport(KVTransport):
             self.port = self._router.bind_to_random_port(url)
         mon = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch_router(mon))]
+        for t in self._tasks:
+            t.add_done_callback(_log_death)
 
     def _start_auth(self, allowed: set[bytes]) -> None:
         from zmq.auth.asyncio import AsyncioAuthenticator
@@ -172,6 +175,9 @@ class ZmqTransport(KVTransport):
                 except TransferError as exc:
                     code, text = exc.code, str(exc).encode()[:500]
                     log.warning("zmq transport: rejected frame: %s: %s", type(exc).__name__, exc)
+                except Exception as exc:  # a bug must cost one frame, never the receive loop
+                    code, text = 11, f"receiver error: {type(exc).__name__}".encode()
+                    log.exception("zmq transport: frame handling failed")
             await self._router.send_multipart([ident, seq, _CODE.pack(code), text])
 
     async def _watch_router(self, mon: zmq.asyncio.Socket) -> None:
@@ -190,12 +196,16 @@ class ZmqTransport(KVTransport):
 
     async def _connect_here(self, address: str, server_key: str | None) -> list[_Stream]:
         public, secret = self._curve_keys or (zmq.curve_keypair() if server_key else (None, None))
+        self._link_count += 1
+        link_no = self._link_count
         streams = []
         for i in range(self.streams):
             sock = self._ctx.socket(zmq.DEALER)
             self._tune(sock)
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}/{i}".encode())
+            # unique per link: a second link to the same receiver (after a failure) must never reuse an
+            # identity, or the receiver's ROUTER routes its acknowledgements to the old link
+            sock.setsockopt(zmq.IDENTITY, f"{self.instance_id}/{link_no}/{i}".encode())
             if server_key:
                 sock.curve_serverkey = server_key.encode()
                 sock.curve_publickey, sock.curve_secretkey = public, secret
@@ -203,6 +213,8 @@ class ZmqTransport(KVTransport):
             stream = _Stream(sock, mon)
             stream.tasks = [asyncio.create_task(self._read_acks(stream)),
                             asyncio.create_task(self._watch_stream(stream))]
+            for t in stream.tasks:
+                t.add_done_callback(_log_death)
             sock.connect(address)
             streams.append(stream)
         try:
@@ -266,7 +278,9 @@ class ZmqTransport(KVTransport):
                            trace_context: dict | None) -> int:
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
-        return await self._lt.run(self._send_here(peer.state, request_id, plans, trace_context))
+        # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
+        # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
+        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context)))
 
     async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
         pending: list[asyncio.Future] = []
@@ -285,7 +299,7 @@ class ZmqTransport(KVTransport):
                 if errors:
                     raise errors[0]
                 if not stream.connected.is_set():
-                    await self._bounded(stream.connected.wait(), rid, self.connect_timeout_s)
+                    await self._bounded(stream.connected.wait(), rid, self.connect_timeout_s, "reconnect")
                 seq = stream.next_seq
                 stream.next_seq += 1
                 fut = asyncio.get_running_loop().create_future()
@@ -294,10 +308,11 @@ class ZmqTransport(KVTransport):
                 stream.inflight_bytes += payload.nbytes
                 registered.append((stream, seq))
                 pending.append(fut)
-                await self._bounded(stream.sock.send_multipart([_SEQ.pack(seq), header, payload], copy=False), rid)
+                await self._bounded(stream.sock.send_multipart([_SEQ.pack(seq), header, payload], copy=False), rid,
+                                    stage="socket send")
             total = 0
             for fut in pending:
-                total += await self._bounded(asyncio.shield(fut), rid)
+                total += await self._bounded(asyncio.shield(fut), rid, stage="acknowledgement")
             return total
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
@@ -318,11 +333,18 @@ class ZmqTransport(KVTransport):
         """Backpressure: wait until this frame fits in the stream's unacknowledged window."""
         while stream.inflight and stream.inflight_bytes + nbytes > self.window_bytes:
             stream.released.clear()
-            await self._bounded(stream.released.wait(), rid)
+            await self._bounded(stream.released.wait(), rid, stage="in-flight window")
 
-    async def _bounded(self, aw: Any, rid: str, timeout_s: float | None = None) -> Any:
+    async def _bounded(self, aw: Any, rid: str, timeout_s: float | None = None, stage: str = "") -> Any:
         timeout_s = timeout_s or self.ack_timeout_s
         try:
             return await asyncio.wait_for(aw, timeout_s)
         except asyncio.TimeoutError:
-            raise PeerLostError(f"receiver made no progress (or is unreachable) for {timeout_s}s", rid) from None
+            raise PeerLostError(f"receiver made no progress (or is unreachable) for {timeout_s}s"
+                                f"{' waiting for ' + stage if stage else ''}", rid) from None
+
+
+def _log_death(task: asyncio.Task) -> None:
+    """A transport loop task must never end while the transport is open: say loudly if one does."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("zmq transport: %s died: %r", task.get_coro().__qualname__, task.exception())

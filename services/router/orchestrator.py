@@ -54,6 +54,7 @@ class InFlight:
     emitted: list[int] = field(default_factory=list)  # every token id sent to the client
     meta: dict[str, Any] = field(default_factory=dict)
     p_cached: int = 0
+    held: list[int] = field(default_factory=list)  # first token held back (first_token_after_kv)
 
 
 class Orchestrator:
@@ -246,5 +247,12 @@ class Orchestrator:
             state.meta.update(message.meta)
             emission = state.tracker.accept(message.role, message.start, message.token_ids, message.finish_reason,
                                             message.owner_until)
-        if emission.token_ids or emission.finish_reason:
-            state.queue.put_nowait(TokenEvent(emission.token_ids, emission.finish_reason))
+        tokens = emission.token_ids
+        if self.config.router.first_token_after_kv and state.route.pipeline != "P-RLD" and not emission.finish_reason:
+            if len(tokens) == 1 and state.tracker.next_position == 1 and not state.emitted and not state.held:
+                state.held = tokens  # conventional PD: the first token waits for the decoder's stream
+                return
+        if state.held:
+            tokens, state.held = state.held + tokens, []
+        if tokens or emission.finish_reason:
+            state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason))

@@ -2,7 +2,12 @@
 
 One class covers the family; the differences are flags in ModelConfig (qkv bias, q/k norm,
 tied embeddings). Weights are repacked at load time: q/k/v into one matrix and gate/up into
-one, so a layer is three GEMMs plus attention (fewer kernel launches, better GEMM shapes).
+one, so a layer is four GEMMs plus attention (fewer kernel launches, better GEMM shapes).
+
+Projection weights are stored transposed, ``[in_features, out_features]`` contiguous, and applied
+with ``torch.mm``/``addmm`` (``x @ W_t``). With MKL on this class of CPU the non-transposed-B
+layout is markedly faster for decode-sized GEMMs (M = 1: ~1.6x, lm_head ~2x) and on par for
+large M. The o and down projections fuse the residual add into the GEMM (``addmm`` with beta 1).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from pdd.shared.engine.config import ModelConfig
 
 @dataclass
 class LayerWeights:
+    """Projection matrices are transposed: [in_features, out_features], contiguous."""
+
     input_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
@@ -28,6 +35,11 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+
+
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> contiguous [in, out] (the layout torch.mm(x, w) wants)."""
+    return weight.t().contiguous()
 
 
 class CausalLM:
@@ -48,14 +60,14 @@ class CausalLM:
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.lm_head = w("lm_head.weight")
+            self.lm_head = _t(w("lm_head.weight"))  # [hidden, vocab]
         else:
-            self.lm_head = self.embed
+            self.lm_head = _t(self.embed)  # tied: a transposed copy (embedding lookup keeps [vocab, hidden])
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                             w(p + "self_attn.v_proj.weight")], dim=0).contiguous()
+            qkv = _t(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                                w(p + "self_attn.v_proj.weight")], dim=0))
             bias = None
             if config.qkv_bias:
                 bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
@@ -64,13 +76,13 @@ class CausalLM:
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv=qkv,
                 qkv_bias=bias,
-                o=w(p + "self_attn.o_proj.weight"),
+                o=_t(w(p + "self_attn.o_proj.weight")),
                 o_bias=opt(p + "self_attn.o_proj.bias"),
                 q_norm=opt(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=opt(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=_t(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)),
+                down=_t(w(p + "mlp.down_proj.weight")),
             ))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
@@ -96,7 +108,11 @@ class CausalLM:
         hidden = self.embed.index_select(0, input_ids)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = rms_norm(hidden, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(num_tokens, hq + 2 * hkv, dim)
+            if layer.qkv_bias is None:
+                qkv = torch.mm(x, layer.qkv)
+            else:
+                qkv = torch.addmm(layer.qkv_bias, x, layer.qkv)
+            qkv = qkv.view(num_tokens, hq + 2 * hkv, dim)
             v = qkv[:, hq + hkv :]
             if layer.q_norm is not None:
                 q = apply_rotary(rms_norm(qkv[:, :hq], layer.q_norm, eps), cos, sin)
@@ -105,12 +121,16 @@ class CausalLM:
                 qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden = hidden + F.linear(attn, layer.o, layer.o_bias)
+            if layer.o_bias is None:
+                hidden = torch.addmm(hidden, attn, layer.o)  # residual fused: hidden + attn @ o
+            else:
+                hidden = hidden + torch.addmm(layer.o_bias, attn, layer.o)
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate_up = F.linear(x, layer.gate_up)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            hidden = hidden + F.linear(act, layer.down)
+            gate_up = torch.mm(x, layer.gate_up)
+            act = F.silu(gate_up[:, :inter])
+            act.mul_(gate_up[:, inter:])
+            hidden = torch.addmm(hidden, act, layer.down)
         if logits_rows.shape[0] != num_tokens:
             hidden = hidden.index_select(0, logits_rows)
         hidden = rms_norm(hidden, self.final_norm, eps)
-        return F.linear(hidden, self.lm_head).float()
+        return torch.mm(hidden, self.lm_head).float()

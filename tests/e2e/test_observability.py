@@ -21,7 +21,7 @@ STAGES = {"prefill", "kv.transfer.fast", "kv.transfer.wan", "relay.decode", "han
 def handed_over_request(system) -> str:
     """A P-RLD-MD request long enough that MD takes over (catch-up)."""
     body = body_for(list(range(30, 130)), "P-RLD-MD", "catch-up", ignore_eos=True)
-    body["max_tokens"] = 300
+    body["max_tokens"] = 900
     for _ in range(3):
         r = httpx.post(system.base_url + "/v1/completions", json=body, timeout=60).json()
         if r["pdd"].get("handoff_mode") == "catch-up":

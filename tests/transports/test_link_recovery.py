@@ -32,3 +32,16 @@ async def test_link_keeps_serving_after_rejected_and_cancelled_sends(plugin: str
         assert stats.bytes > 0
         for layer in range(layout.num_layers):
             assert torch.equal(pair.dst_pool[0][layer][20:23], pair.src_pool[0][layer][3:6])
+
+
+@pytest.mark.parametrize("plugin", [p for p in PLUGINS if p != "inproc"])
+async def test_second_link_to_the_same_receiver_gets_its_acknowledgements(plugin: str) -> None:
+    """A sender that reconnects (e.g. after a failure) must not collide with its old link."""
+    layout = layout_for("float32")
+    async with Pair(plugin, layout) as pair:
+        second = await pair.sender.connect(pair.receiver.descriptor())
+        for peer, rid, dst in ((second, "via-new", [7, 8]), (pair.peer, "via-old", [9, 10])):
+            handle = pair.receiver.expect(rid, dst, timeout_s=10)
+            await asyncio.wait_for(pair.sender.send(peer, rid, [1, 2], dst), 10)
+            await asyncio.wait_for(handle.wait(), 10)
+        await pair.sender.disconnect(second)
