@@ -48,17 +48,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 SETUPS = ("colocated", "naive", "pdd")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: 46,080 B/token
 
-# Roughly one BPE token each (common English words with a leading space): prompts read like text.
-_WORDS = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there one all we their can has more will would been if no "
-    "when so what time up out them some could into other then two than its only new these may "
-    "any over such after most also made many before must through back years where much your way "
-    "well down should because each just those people how too little state good very make world "
-    "still own see men work long get here between both life being under never day same another "
-    "know while last might us great old year off come since against go came right used take three "
-    "file code test run error function class return value list read write call tool result data"
-).split()
+from pdd.loadgen.workload import WORDS as _WORDS  # noqa: E402  (one-token English words)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ DEFAULT_HIT_BINS: tuple[tuple[float, float], ...] = (
 DEFAULT_HIT_WEIGHTS: tuple[float, ...] = (0.15, 0.10, 0.15, 0.15, 0.20, 0.25)
 
 # Roughly one BPE token each (common English words with a leading space).
-_WORDS = (
+WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which "
     "but have an they you were her she there one all we their can has more will would been if no "
     "when so what time up out them some could into other then two than its only new these may "
@@ -169,7 +169,7 @@ def agentic_sessions(cfg: AgenticConfig, with_text: bool = True) -> list[Request
     rng = random.Random(cfg.seed + 1)
     # A prefix every session starts from (system prompt, tool schemas): a session's first turn hits
     # its drawn fraction of it, so first turns follow the configured hit distribution too.
-    common = [rng.choice(_WORDS) for _ in range(int(arrays.prompt.max(initial=1)))]
+    common = [rng.choice(WORDS) for _ in range(int(arrays.prompt.max(initial=1)))]
     specs: list[RequestSpec] = []
     session, turn = -1, cfg.turns_per_session
     words: list[str] = []  # the session's token stream so far (prompt + answers)
@@ -196,7 +196,7 @@ def agentic_sessions(cfg: AgenticConfig, with_text: bool = True) -> list[Request
 
 
 def _append(words: list[str], segments: list[tuple[str, int]], role: str, n: int, rng: random.Random) -> None:
-    words.extend(rng.choice(_WORDS) for _ in range(max(0, n)))
+    words.extend(rng.choice(WORDS) for _ in range(max(0, n)))
     if segments and segments[-1][0] == role:
         segments[-1] = (role, len(words))
     else:
@@ -231,14 +231,14 @@ def random_specs(
     wrng = random.Random(seed)
     lo_in, hi_in = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
     lo_out, hi_out = int(output_len * (1 - range_ratio)), int(output_len * (1 + range_ratio))
-    prefix = [wrng.choice(_WORDS) for _ in range(prefix_len)]
+    prefix = [wrng.choice(WORDS) for _ in range(prefix_len)]
     specs = []
     for i in range(num_requests):
         n_in = int(rng.integers(max(1, lo_in), max(1, hi_in) + 1))
         n_out = int(rng.integers(max(1, lo_out), max(1, hi_out) + 1))
         text = None
         if with_text:
-            text = [{"role": "user", "content": " ".join(prefix + [wrng.choice(_WORDS) for _ in range(n_in)])}]
+            text = [{"role": "user", "content": " ".join(prefix + [wrng.choice(WORDS) for _ in range(n_in)])}]
         specs.append(RequestSpec(i, prefix_len + n_in, prefix_len if i else 0, n_out, session=i, messages=text))
     return specs
 

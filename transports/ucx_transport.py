@@ -32,6 +32,7 @@ from .blocks import FramePlan  # noqa: E402
 from .errors import PeerLostError, RemoteRejected, TransferError  # noqa: E402
 from .frames import MAX_HEADER_BYTES, OversizeFrame, error_class  # noqa: E402
 from .loop_thread import LoopThread  # noqa: E402
+from .window import AckWindow  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -52,22 +53,10 @@ def _loop() -> LoopThread:
 
 
 @dataclass
-class _Link:
+class _Link(AckWindow):
     ep: Any
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    inflight: dict[int, tuple[asyncio.Future, int]] = field(default_factory=dict)
-    inflight_bytes: int = 0
-    next_seq: int = 0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
     reader: asyncio.Task | None = None
-
-    def fail_all(self, exc: TransferError) -> None:
-        for fut, _ in self.inflight.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self.inflight.clear()
-        self.inflight_bytes = 0
-        self.released.set()
 
 
 class UcxTransport(KVTransport):
@@ -266,14 +255,8 @@ class UcxTransport(KVTransport):
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
             raise
-        finally:  # give the window back for frames a failed or cancelled send left unacknowledged
-            for seq in registered:
-                entry = link.inflight.pop(seq, None)
-                if entry is not None:
-                    link.inflight_bytes -= entry[1]
-                    link.released.set()
-                    if not entry[0].done():
-                        entry[0].cancel()
+        finally:  # frames left unacknowledged by a failed or cancelled send must not hold the window
+            link.forget(registered)
 
     @staticmethod
     async def _post(ep: Any, seq: int, header: bytes, payload: memoryview) -> None:

@@ -28,6 +28,7 @@ from .blocks import FramePlan
 from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferError
 from .frames import error_class
 from .loop_thread import LoopThread
+from .window import AckWindow
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +52,11 @@ def load_curve_keys(cfg: dict) -> tuple[bytes, bytes]:
 
 
 @dataclass
-class _Stream:
+class _Stream(AckWindow):
     sock: zmq.asyncio.Socket
     monitor: zmq.asyncio.Socket
-    inflight: dict[int, tuple[asyncio.Future, int]] = field(default_factory=dict)
-    inflight_bytes: int = 0
-    next_seq: int = 0
-    released: asyncio.Event = field(default_factory=asyncio.Event)
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
-
-    def fail_all(self, exc: TransferError) -> None:
-        for fut, _ in self.inflight.values():
-            if not fut.done():
-                fut.set_exception(exc)
-        self.inflight.clear()
-        self.inflight_bytes = 0
-        self.released.set()
 
 
 class ZmqTransport(KVTransport):
@@ -317,17 +306,9 @@ class ZmqTransport(KVTransport):
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
             raise
-        finally:
-            # A failed or cancelled send must give its window back: frames never sent (or never
-            # acknowledged) would otherwise hold the stream's in-flight budget forever and stall
-            # every later transfer on this link.
+        finally:  # frames left unacknowledged by a failed or cancelled send must not hold the window
             for stream, seq in registered:
-                entry = stream.inflight.pop(seq, None)
-                if entry is not None:
-                    stream.inflight_bytes -= entry[1]
-                    stream.released.set()
-                    if not entry[0].done():
-                        entry[0].cancel()
+                stream.forget([seq])
 
     async def _acquire(self, stream: _Stream, nbytes: int, rid: str) -> None:
         """Backpressure: wait until this frame fits in the stream's unacknowledged window."""
