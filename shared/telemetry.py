@@ -112,12 +112,19 @@ def setup_tracing(service_name: str, config: TelemetryConfig, instance_id: str |
     return provider
 
 
-def shutdown_tracing() -> None:
+def shutdown_tracing(timeout_s: float = 3.0) -> None:
+    """Flush and stop the exporter, bounded: a dead collector (retrying with backoff) never delays exit."""
     global _provider
     if _provider is not None:
-        _provider.force_flush(timeout_millis=2000)
-        _provider.shutdown()
-        _provider = None
+        provider, _provider = _provider, None
+
+        def flush_and_stop() -> None:
+            provider.force_flush(timeout_millis=int(timeout_s * 1000))
+            provider.shutdown()
+
+        worker = threading.Thread(target=flush_and_stop, name="otel-shutdown", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
 
 
 def _add_trace_ids(_: Any, __: str, event_dict: dict) -> dict:

@@ -134,3 +134,25 @@ async def test_one_trace_spans_two_processes(config_path, tmp_path, nats_url):
         assert client[0]["span_id"] == ping_spans[-1]["parent_span_id"]
     finally:
         a.stop()
+
+
+async def test_dead_trace_collector_never_breaks_serving(tmp_path, nats_url, tiny_model):
+    """OTLP pointed at a closed port: spans are dropped in the background, requests keep flowing."""
+    path = write_config(tmp_path / "otlp.yaml", {
+        "model": {"path": tiny_model}, "router": {"port": 0}, "nats": {"url": nats_url},
+        "instances": [{"id": "router-x", "role": "router", "site": "site-a"}],
+        "telemetry": {"exporter": "otlp", "otlp_endpoint": "http://127.0.0.1:1", "log_format": "json"},
+    })
+    proc = ServiceProcess("router", path, "router-x", tmp_path)
+    try:
+        await asyncio.to_thread(proc.wait_log, "service_ready")
+        bus = Bus(NatsConfig(url=nats_url), "test")
+        await bus.connect()
+        for i in range(30):
+            pong = await bus.request(Subjects.instance("router-x", "ping"), Ping(payload=str(i)), timeout=5)
+            assert pong.payload == str(i)
+        await bus.close()
+        assert proc.stop() == 0
+        assert "service_stopped" in proc.log()
+    finally:
+        proc.stop()
