@@ -9,7 +9,8 @@ pass and shared by every layer, so per-layer work is only tensor ops:
   mask the padding, and run one batched scaled_dot_product_attention with the query heads of a
   KV group folded into the query-length axis (GQA without repeating K/V);
 * prefill/extend: per segment, causal attention of the new tokens over the cached prefix plus
-  themselves (a fresh prompt attends its own K/V directly, no gather).
+  themselves (a fresh prompt attends its own K/V directly, no gather). Consecutive fresh prompts
+  of equal length are merged into one segment and run as one batched causal SDPA.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillSegment:
-    """New tokens [token_start, token_start+num_new) of one sequence whose first new position is ctx_start."""
+    """New tokens [token_start, token_start+num_new) of one sequence whose first new position is ctx_start.
+
+    A fresh segment (ctx_start == 0) may cover num_seqs consecutive sequences of num_new tokens each.
+    """
 
     token_start: int
     num_new: int
     ctx_start: int
     block_ids: torch.Tensor | None  # blocks covering positions [0, ctx_start+num_new); None if ctx_start == 0
     mask: torch.Tensor | None  # [num_new, ctx_start+num_new] bool, None if ctx_start == 0
+    num_seqs: int = 1
 
 
 @dataclass
@@ -75,6 +80,11 @@ def build_attention_metadata(
         blocks = torch.tensor(table, dtype=torch.long)
         slots.extend((blocks[positions // block_size] * block_size + positions % block_size).tolist())
         if ctx_start == 0:
+            last = meta.prefills[-1] if meta.prefills else None
+            if last is not None and last.ctx_start == 0 and last.num_new == num_new:
+                last.num_seqs += 1  # consecutive fresh prompts of one length: one batched SDPA
+                token_start += num_new
+                continue
             seg = PrefillSegment(token_start, num_new, 0, None, None)
         else:
             total = ctx_start + num_new
@@ -148,17 +158,22 @@ def paged_attention(
         out[:nd] = decode_out
     for seg in meta.prefills:
         s, n = seg.token_start, seg.num_new
-        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if seg.ctx_start == 0:
-            ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
-            vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
+            b = seg.num_seqs
+            qs = q[s : s + b * n].view(b, n, hq, dim).transpose(1, 2)  # [b, Hq, n, D]
+            ks = k[s : s + b * n].view(b, n, hkv, dim).transpose(1, 2)
+            vs = v[s : s + b * n].view(b, n, hkv, dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
-        else:
-            total = seg.ctx_start + n
-            ks = _gather(k_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
-            vs = _gather(v_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
-            )
+            if b * n == num_tokens:
+                return o.transpose(1, 2).reshape(num_tokens, hq * dim)
+            out[s : s + b * n] = o.transpose(1, 2).reshape(b * n, hq, dim)
+            continue
+        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        total = seg.ctx_start + n
+        ks = _gather(k_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
+        vs = _gather(v_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
+        )
         out[s : s + n] = o[0].transpose(0, 1)
     return out.reshape(num_tokens, hq * dim)
