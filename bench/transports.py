@@ -21,13 +21,18 @@ import time
 
 import torch
 
+# `python bench/transports.py` puts bench/ first on sys.path, where bench/pdd.py would shadow the
+# pdd package: drop the script's own directory before importing pdd.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
 from pdd.shared.kv_layout import KVLayout
 from pdd.transports import create_transport
+from pdd.transports.base import DEFAULT_MAX_FRAME_BYTES
 
 LAYOUT = KVLayout(num_layers=8, block_size=16, kv_heads=8, head_dim=128, dtype="float16")  # 32 KiB/block/tensor
 BLOCKS = 512  # 512 blocks x 8 layers x K,V x 32 KiB = 256 MiB
 TOTAL = 2 * LAYOUT.num_layers * BLOCKS * LAYOUT.bytes_per_block_per_tensor
-FRAME = 4 << 20
+FRAME = DEFAULT_MAX_FRAME_BYTES  # the transports' default frame size; the raw socket uses the same
 RUNS = 3
 WAN_RATE, WAN_DELAY = "1gbit", "20ms"
 

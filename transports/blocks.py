@@ -38,8 +38,10 @@ def plan_frames(src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Se
 
 def _run_start(ids: Sequence[int]) -> int | None:
     """First id if ids are consecutive ascending, else None."""
-    first = ids[0]
-    return first if all(b == first + i for i, b in enumerate(ids)) else None
+    first, n = ids[0], len(ids)
+    if ids[-1] - first != n - 1:
+        return None
+    return first if tuple(ids) == tuple(range(first, first + n)) else None  # C-speed comparison
 
 
 def gather(pool: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
+import numpy as np
 import torch
 
 from . import telemetry
@@ -65,7 +66,8 @@ class TransferHandle:
 class _Expectation:
     request_id: str
     slot: dict[int, int]  # dst block id -> position
-    received: torch.Tensor  # bool [layers, 2, n]
+    received: np.ndarray  # bool [layers, 2, n]
+    remaining: int  # (layer, tensor, block) slots not yet written; 0 = complete
     future: concurrent.futures.Future
     deadline: float
     trace_context: dict | None = None
@@ -92,8 +94,8 @@ class ReceiveRegistry:
         if not blocks or len(set(blocks)) != len(blocks) or not all(0 <= b < num_blocks for b in blocks):
             raise ValueError(f"dst_blocks must be distinct ids in [0, {num_blocks}); got {len(blocks)} ids")
         now = time.monotonic()
-        exp = _Expectation(request_id, {b: i for i, b in enumerate(blocks)},
-                           torch.zeros(self._layout.num_layers, 2, len(blocks), dtype=torch.bool),
+        received = np.zeros((self._layout.num_layers, 2, len(blocks)), dtype=bool)
+        exp = _Expectation(request_id, {b: i for i, b in enumerate(blocks)}, received, received.size,
                            concurrent.futures.Future(), now + timeout_s)
         with self._lock:
             self._purge_expired(now)
@@ -149,19 +151,23 @@ class ReceiveRegistry:
                 self._fail_locked(exp, err)
                 raise err from None
             seen = exp.received[header.layer, header.tensor]
-            idx = torch.tensor(pos, dtype=torch.long)
-            if bool(seen[idx].any()):
+            first, n = pos[0], len(pos)
+            # a run of consecutive slots (the usual case) is checked and marked as a slice
+            idx = slice(first, first + n) if pos[-1] - first == n - 1 and pos == list(range(first, first + n)) \
+                else np.asarray(pos)
+            if seen[idx].any():
                 err = UnexpectedFrame("duplicate frame for already received blocks", header.request_id)
                 self._fail_locked(exp, err)
                 raise err
             scatter(self._pools[header.tensor][header.layer], header.block_ids, payload)
             seen[idx] = True
+            exp.remaining -= n  # header block ids are distinct (decode_header) and were all unseen
             exp.bytes += header.nbytes
             exp.frames += 1
             exp.trace_context = exp.trace_context or header.trace_context
             if source is not None:
                 exp.sources.add(source)
-            if bool(exp.received.all()):
+            if exp.remaining == 0:
                 del self._live[header.request_id]
                 done = exp
         if done is not None:
