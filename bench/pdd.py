@@ -139,11 +139,9 @@ class System:
 
         policy = {"handoff_catch_up_threshold": a.catch_up_threshold,
                   "default_wan_gbps": rate_bits(a.rate) / 1e9}
-        try:
-            import ucxx  # noqa: F401
-            fast = "ucx"
-        except Exception:  # noqa: BLE001
-            fast = "zmq"
+        from pdd.transports import ucx_available
+
+        fast = "ucx" if ucx_available() else "zmq"
         return {
             "model": {"path": a.model, "kv_memory_mb": a.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
                       "threads": a.threads, "max_prefill_tokens": 2048},

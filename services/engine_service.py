@@ -160,11 +160,10 @@ class EngineService(Service):
         metrics.KV_BLOCKS_FREE.labels(self.instance_id, self.role).set(free)
         metrics.KV_BLOCKS_TOTAL.labels(self.instance_id, self.role).set(total)
         metrics.PREFIX_HIT_RATE.labels(self.instance_id, self.role).set(stats["cache_hit_rate"])
-        running = stats["running"] + stats["waiting"]
-        load = max(running / self.config.model.max_num_seqs, 1 - free / max(1, total))
+        load = self.current_load()
         endpoints = {name: t.descriptor() for name, t in self.transports.items()}
         return {
-            "load": min(1.0, load), "running_requests": self.in_flight(), "free_kv_blocks": free,
+            "load": load, "running_requests": self.in_flight(), "free_kv_blocks": free,
             "total_kv_blocks": total, "max_context": engine.max_context,
             "model": self.config.model.name or self.config.model.path,
             "cache_summary": {"hit_rate": stats["cache_hit_rate"], "cached_blocks": stats["cached_blocks"],
@@ -172,6 +171,13 @@ class EngineService(Service):
                               **self.cache_summary_extra()},
             "endpoints": endpoints,
         }
+
+    def current_load(self) -> float:
+        """0..1: the busier of batch slots and KV blocks (what routing and handoff decisions use)."""
+        engine = self.engine
+        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        free_share = engine.num_free_blocks() / max(1, engine.num_total_blocks())
+        return min(1.0, max(running / self.config.model.max_num_seqs, 1 - free_share))
 
     def cache_summary_extra(self) -> dict[str, Any]:
         return {}

@@ -130,7 +130,7 @@ class RelayService(ReceiverService):
             return
         state.md_next = message.next_position
         pending = len(state.inc.outputs) - message.next_position
-        load = self.announce_fields().get("load", 0.0)
+        load = self.current_load()
         mode = state.inc.req.handoff_mode or choose_handoff_mode(pending, load, self.config.policy).value
         state.mode = mode
         state.span.add_event("handoff_ready", {"pending": pending, "mode": mode})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -73,6 +72,3 @@ def start_nats_server(port: int | None = None, host: str = "127.0.0.1", log_file
     proc.kill()
     raise TimeoutError(f"nats-server did not listen on {host}:{port} within {timeout}s")
 
-
-def environment_for_child() -> dict[str, str]:
-    return dict(os.environ)

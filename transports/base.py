@@ -218,6 +218,15 @@ def _discover() -> None:
             _REGISTRY.setdefault(ep.name, ep.value)
 
 
+def ucx_available() -> bool:
+    """Whether the ucx plugin can run here (ucxx imports); callers fall back to zmq in-site."""
+    try:
+        import ucxx  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure (missing package, missing libucx) means no
+        return False
+    return True
+
+
 def available_transports() -> list[str]:
     _discover()
     return sorted(_REGISTRY)

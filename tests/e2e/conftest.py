@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 
 from pdd.shared.natsserver import free_port
+from pdd.transports import ucx_available
 from tests.helpers import ServiceProcess, write_config
-
-
-def ucx_available() -> bool:
-    try:
-        import ucxx  # noqa: F401
-        return True
-    except Exception:
-        return False
 
 
 class System:

@@ -46,7 +46,9 @@ def wait_until(predicate, timeout: float, step: float = 0.02) -> float:
     raise AssertionError("condition not met in time")
 
 
-def test_discovery_and_kill9_detection(config_path, tmp_path):
+@pytest.fixture
+def two_services(config_path, tmp_path):
+    """Two processes that have discovered each other through announce/heartbeat."""
     a = ServiceProcess("router", config_path, "router-a", tmp_path)
     b = ServiceProcess("router", config_path, "router-b", tmp_path)
     try:
@@ -54,32 +56,29 @@ def test_discovery_and_kill9_detection(config_path, tmp_path):
         b.wait_log("service_ready")
         wait_until(lambda: "router-b" in registry_of(a), timeout=10)
         wait_until(lambda: "router-a" in registry_of(b), timeout=10)
-        b.kill()  # SIGKILL: no goodbye message
-        killed_at = time.monotonic()
-        wait_until(lambda: "router-b" not in registry_of(a), timeout=5, step=0.01)
-        elapsed = time.monotonic() - killed_at
-        # dropped within 3 heartbeat periods (plus one prune tick and the health poll)
-        assert elapsed <= 3 * HEARTBEAT_MS / 1000 + 0.3, elapsed
-        assert a.health()[0] == 200
+        yield a, b
     finally:
         a.stop()
         b.stop()
 
 
-def test_sigterm_drains_and_leaves_the_registry_at_once(config_path, tmp_path):
-    a = ServiceProcess("router", config_path, "router-a", tmp_path)
-    b = ServiceProcess("router", config_path, "router-b", tmp_path)
-    try:
-        a.wait_log("service_ready")
-        b.wait_log("service_ready")
-        wait_until(lambda: "router-b" in registry_of(a), timeout=10)
-        assert b.stop() == 0
-        assert "service_stopped" in b.log()
-        # the 'stopped' announce removes it before any heartbeat could be missed
-        wait_until(lambda: "router-b" not in registry_of(a), timeout=HEARTBEAT_MS / 1000)
-    finally:
-        a.stop()
-        b.stop()
+def test_discovery_and_kill9_detection(two_services):
+    a, b = two_services
+    b.kill()  # SIGKILL: no goodbye message
+    killed_at = time.monotonic()
+    wait_until(lambda: "router-b" not in registry_of(a), timeout=5, step=0.01)
+    elapsed = time.monotonic() - killed_at
+    # dropped within 3 heartbeat periods (plus one prune tick and the health poll)
+    assert elapsed <= 3 * HEARTBEAT_MS / 1000 + 0.3, elapsed
+    assert a.health()[0] == 200
+
+
+def test_sigterm_drains_and_leaves_the_registry_at_once(two_services):
+    a, b = two_services
+    assert b.stop() == 0
+    assert "service_stopped" in b.log()
+    # the 'stopped' announce removes it before any heartbeat could be missed
+    wait_until(lambda: "router-b" not in registry_of(a), timeout=HEARTBEAT_MS / 1000)
 
 
 async def test_bad_messages_are_rejected_and_service_keeps_answering(config_path, tmp_path, nats_url):
