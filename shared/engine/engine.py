@@ -145,6 +145,7 @@ class Engine:
             "free_blocks": self.num_free_blocks(),
             "total_blocks": self.num_total_blocks(),
             "cached_blocks": self.cache.cached_blocks,
+            "evictable_blocks": self.cache.evictable_blocks,
             "cache_queries": s.queries,
             "cache_hit_tokens": s.hit_tokens,
             "cache_query_tokens": s.query_tokens,

@@ -1,0 +1,222 @@
+"""A PDD system of real processes on one machine: a nats-server and one `pdd serve` per instance.
+
+Fault tests and benchmarks (bench/chaos.py, bench/soak.py, the reliability tests) need the same
+things: start a config, wait until it serves, kill or restart a part, read each instance's health
+and memory, stop everything. `pdd up` is the user-facing launcher; this is the programmable one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdd.shared.natsserver import NatsServer, free_port, start_nats_server
+
+
+def http_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
+    """(status, parsed body); status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read() or b"{}")
+        except ValueError:
+            return exc.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+@dataclass
+class Member:
+    """One instance's process; stopped or killed by its own pid only."""
+
+    instance_id: str
+    role: str
+    log_path: Path
+    proc: subprocess.Popen
+    _log_file: Any = field(default=None, repr=False)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_event(self, event: str) -> dict | None:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            if f'"{event}"' in line:
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    return None
+        return None
+
+    @property
+    def metrics_url(self) -> str | None:
+        ready = self.log_event("service_ready")
+        return ready.get("metrics") if ready else None
+
+    def health(self) -> dict:
+        url = self.metrics_url
+        return http_json(url.replace("/metrics", "/health"))[1] if url else {}
+
+    def rss_bytes(self) -> int:
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.alive:
+            os.kill(self.proc.pid, sig)
+            if sig == signal.SIGKILL:
+                self.proc.wait()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.alive:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class LocalCluster:
+    """``config``: a whole PDD config (dict); ``nats.url`` and the router port are filled in here."""
+
+    def __init__(self, run_dir: Path, config: dict, env: dict[str, str] | None = None,
+                 nats_args: list[str] | None = None):
+        self.run_dir = Path(run_dir)
+        self.config = json.loads(json.dumps(config))
+        self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **(env or {})}
+        self.nats_args = list(nats_args or [])
+        self.nats: NatsServer | None = None
+        self.nats_port = free_port()
+        self.members: dict[str, Member] = {}
+        router = self.config.setdefault("router", {})
+        if not router.get("port"):
+            router["port"] = free_port()
+        self.port = int(router["port"])
+        self.config_path = self.run_dir / "pdd.yaml"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 300.0) -> float:
+        """Start everything and wait until every instance is ready and the router answers /health."""
+        t0 = time.monotonic()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.start_nats()
+        assert self.nats is not None
+        self.config.setdefault("nats", {})["url"] = self.nats.url
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        for inst in self.config["instances"]:
+            self.spawn(inst["id"])
+        self.wait_ready(timeout - (time.monotonic() - t0))
+        return time.monotonic() - t0
+
+    def spawn(self, instance_id: str, env: dict[str, str] | None = None) -> Member:
+        """(Re)start one instance from the written config."""
+        inst = next(i for i in self.config["instances"] if i["id"] == instance_id)
+        log_path = self.run_dir / f"{instance_id}.log"
+        log_file = open(log_path, "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdd.services.cli", "serve", inst["role"], "--config", str(self.config_path),
+             "--instance-id", instance_id],
+            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(env or {})},
+            start_new_session=True)
+        member = Member(instance_id, inst["role"], log_path, proc, log_file)
+        self.members[instance_id] = member
+        return member
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + max(1.0, timeout)
+        while time.monotonic() < deadline:
+            for m in self.members.values():
+                if not m.alive:
+                    raise RuntimeError(f"{m.instance_id} exited ({m.proc.returncode}); log {m.log_path}:\n"
+                                       f"{m.log_path.read_text(errors='replace')[-3000:]}")
+            engines_ready = all(m.log_event("service_ready") for m in self.members.values() if m.role != "router")
+            if engines_ready and http_json(self.base_url + "/health")[0] == 200:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"system not ready after {timeout:.0f}s; logs in {self.run_dir}")
+
+    # -- faults -----------------------------------------------------------------------------------
+    def start_nats(self) -> None:
+        self.nats = start_nats_server(port=self.nats_port, log_file=str(self.run_dir / "nats-server.log"),
+                                      extra_args=self.nats_args)
+
+    def stop_nats(self) -> None:
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        self.members[instance_id].kill(sig)
+
+    # -- state ------------------------------------------------------------------------------------
+    def engine_members(self) -> list[Member]:
+        return [m for m in self.members.values() if m.role != "router" and m.alive]
+
+    def leaked_blocks(self) -> dict[str, int]:
+        """Per live engine instance: KV blocks neither free nor reclaimable cache (should be 0 when idle)."""
+        out = {}
+        for m in self.engine_members():
+            engine = m.health().get("engine") or {}
+            if not engine:
+                out[m.instance_id] = -1  # did not answer
+                continue
+            out[m.instance_id] = (engine["total_blocks"] - engine["free_blocks"]
+                                  - engine.get("evictable_blocks", 0))
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, int]:
+        """Wait until no live engine holds request KV; returns the last leaked_blocks() reading."""
+        deadline = time.monotonic() + timeout
+        leaked = self.leaked_blocks()
+        while time.monotonic() < deadline and any(v != 0 for v in leaked.values()):
+            time.sleep(0.5)
+            leaked = self.leaked_blocks()
+        return leaked
+
+    def stop(self) -> None:
+        for m in self.members.values():
+            if m.alive:
+                try:
+                    m.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for m in self.members.values():
+            m.stop()
+        self.stop_nats()
