@@ -60,6 +60,7 @@ class EngineService(Service):
         log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), layout=self.engine.layout.to_dict(),
                  kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
         await self.bus.subscribe(Subjects.CANCEL, self._on_cancel, expect=Cancel)
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "cancel"), self._on_cancel, expect=Cancel)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "cache_query"), self._on_cache_query,
                                  expect=CacheQuery)
         self._tasks.append(asyncio.create_task(self._publish_cache_events(), name="cache-events"))

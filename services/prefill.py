@@ -110,13 +110,9 @@ class PrefillService(EngineService):
             results = await asyncio.gather(
                 *(self._transfer(req, d, plan, blocks, first) for d, plan in zip(dests, ready_plans)),
                 return_exceptions=True)
-            for dest, result in zip(dests, results):
-                if isinstance(result, BaseException):
-                    await self.send_error(req.events_subject, rid, "kv_transfer_failed",
-                                          f"KV transfer to {dest.instance_id} failed: {result}",
-                                          retryable=True)
-                    await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="kv transfer failed"))
-                    return
+            failed = [(d, r) for d, r in zip(dests, results) if isinstance(r, BaseException)]
+            if failed:
+                await self._transfer_failed(req, dests, failed)
         except asyncio.CancelledError:
             raise
         except EngineInputError as exc:
@@ -134,6 +130,26 @@ class PrefillService(EngineService):
                 await self.runner.call(self._release, rid)  # P's radix cache keeps the prompt
             else:
                 await self.runner.call(self.engine.abort, rid)
+
+    async def _transfer_failed(self, req: SubmitRequest, dests: list[Destination],
+                               failed: list[tuple[Destination, BaseException]]) -> None:
+        """WAN fallback: in P-RLD-MD a lost WAN transfer leaves the relay to finish the request locally.
+
+        Any other failure ends this attempt everywhere; the router migrates or retries it.
+        """
+        rid = req.request_id
+        wan_only = all(d.transport == "wan" for d, _ in failed) and len(failed) < len(dests)
+        dest, exc = failed[0]
+        code = "wan_transfer_failed" if dest.transport == "wan" else "kv_transfer_failed"
+        if wan_only:
+            await self.bus.publish(Subjects.instance(dest.instance_id, "cancel"),
+                                   Cancel(rid, reason="wan transfer failed"))
+            await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed "
+                                  f"({exc}); the relay finishes the request locally", retryable=True)
+            return
+        await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed: {exc}",
+                              retryable=True)
+        await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="kv transfer failed"))
 
     def _release(self, rid: str) -> None:
         if rid in self.engine.requests:

@@ -4,6 +4,9 @@ Flow per request: ``prepare_import`` (reserve blocks, reply with the cached pref
 destination blocks) -> KV frames land through the transport -> ``kv_ready`` from P carries the
 first token -> ``on_kv_landed`` (role-specific). Reserved blocks are leased: if the KV does not
 arrive before the request's deadline (or the lease), everything is freed.
+
+Migration: ``resume`` continues a request another decoder lost, from its prompt and every token the
+client already has (recomputed here; no KV crosses). The router sends it under a fresh attempt id.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pdd.services.engine_service import EngineService, sampling_params
 from pdd.shared.bus import Envelope
 from pdd.shared.engine import EngineInputError, OutOfBlocks, StepOutput
 from pdd.shared.protocol import (
-    ErrorReply, ImportPlan, KVReady, Message, PrepareImport, Subjects, TokenChunk,
+    ErrorReply, ImportPlan, KVReady, Message, PrepareImport, Subjects, SubmitRequest, TokenChunk,
 )
 from pdd.shared.telemetry import get_logger
 from pdd.transports.base import TransferHandle
@@ -57,6 +60,7 @@ class ReceiverService(EngineService):
         await self.bus.subscribe(Subjects.instance(self.instance_id, "prepare_import"), self._on_prepare,
                                  expect=PrepareImport)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "kv_ready"), self._on_kv_ready, expect=KVReady)
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "resume"), self._on_resume, expect=SubmitRequest)
 
     def in_flight(self) -> int:
         return len(self.incoming)
@@ -84,6 +88,45 @@ class ReceiverService(EngineService):
         self.incoming[rid] = inc
         return ImportPlan(request_id=rid, instance_id=self.instance_id, cached_tokens=plan.cached_tokens,
                           dst_blocks=plan.dst_blocks, descriptor=transport.descriptor())
+
+    async def _on_resume(self, message: Message, _: Envelope) -> None:
+        assert isinstance(message, SubmitRequest)
+        rid = message.request_id
+        if not self.accepting:
+            await self.send_error(message.events_subject, rid, "draining", f"{self.instance_id} is draining",
+                                  retryable=True)
+            return
+        if rid in self.incoming:
+            return
+        req = PrepareImport(request_id=rid, prompt_ids=message.prompt_ids, sampling=message.sampling,
+                            events_subject=message.events_subject, deadline_unix=message.deadline_unix,
+                            pipeline=message.pipeline, use_cache=True)
+        inc = Incoming(req=req, cached_tokens=0, handle=None, first_token=(message.output_ids or [None])[0],
+                       outputs=list(message.output_ids), committed=True)
+        remaining = max(1.0, message.deadline_unix - time.time())
+        inc.lease_task = asyncio.create_task(self._lease(rid, remaining + 5, remaining + 5))
+        self.incoming[rid] = inc
+
+        def on_output(out: StepOutput) -> None:
+            inc.outputs.extend(out.token_ids)
+            self.post(message.events_subject, TokenChunk(
+                request_id=rid, instance_id=self.instance_id, role=self.role, start=out.start_position,
+                token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+                meta={"resumed_at": len(message.output_ids)} if out.finished else {}))
+            if out.finished:
+                self.finish(rid)
+
+        self.runner.watch(rid, on_output)
+        try:
+            await self.runner.call(self.engine.add_request, rid, message.prompt_ids,
+                                   sampling_params(message.sampling), max_new_tokens=message.sampling.max_tokens,
+                                   known_outputs=list(message.output_ids))
+        except EngineInputError as exc:
+            await self.send_error(message.events_subject, rid, "invalid_request", str(exc))
+            await self.drop(rid)
+            return
+        log.info("request_resumed", request_id=rid, known_outputs=len(message.output_ids))
+        self.runner.wake()
 
     async def _lease(self, rid: str, kv_seconds: float, request_seconds: float) -> None:
         """Free what a request holds here if its KV never lands, or if it outlives its deadline."""

@@ -9,6 +9,7 @@ Validation happens at start and names the field and the fix (``pdd config check 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,14 +43,62 @@ class ModelConfig(_Strict):
     enable_prefix_cache: bool = Field(True, description="radix prefix cache (P) / Decode-side RadixCache (MD)")
 
 
+def _readable_file(field: str, value: str | None) -> str | None:
+    """A path the process must read at start: fail at config time, naming the field and the path."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"file not found: {path} (fix the path or unset {field})")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"file not readable by this user: {path}")
+    return str(path)
+
+
+class NatsTlsConfig(_Strict):
+    """TLS to the NATS servers. Any field set (or a tls:// URL) makes the connection TLS-only."""
+
+    ca_file: str | None = Field(None, description="PEM CA bundle that signed the servers' certificates "
+                                                  "(default: the system's trust store)")
+    cert_file: str | None = Field(None, description="PEM client certificate (servers with `verify: true`)")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    hostname: str | None = Field(None, description="name to verify the server certificate against "
+                                                   "(default: the host in nats.url)")
+    verify: bool = Field(True, description="verify the server's certificate; false only for experiments")
+
+    @field_validator("ca_file", "cert_file", "key_file")
+    @classmethod
+    def _exists(cls, value: str | None, info: Any) -> str | None:
+        return _readable_file(f"nats.tls.{info.field_name}", value)
+
+    @model_validator(mode="after")
+    def _pair(self) -> "NatsTlsConfig":
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("nats.tls: cert_file and key_file go together; set both or neither")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return any((self.ca_file, self.cert_file, self.hostname)) or not self.verify
+
+
 class NatsConfig(_Strict):
     url: str = "nats://127.0.0.1:4222"
     token: str | None = None
     user: str | None = None
     password: str | None = None
+    nkey_seed_file: str | None = Field(None, description="file holding this service's NKey seed (SU...); "
+                                                         "needs the `nkeys` package")
+    credentials_file: str | None = Field(None, description="decentralized-auth .creds file (user JWT + NKey "
+                                                           "seed); needs the `nkeys` package")
+    tls: NatsTlsConfig = NatsTlsConfig()
     connect_timeout_s: float = Field(5.0, gt=0)
     request_timeout_s: float = Field(5.0, gt=0)
     max_reconnect_attempts: int = Field(-1, description="-1 = forever")
+    reconnect_time_wait_s: float = Field(0.25, gt=0, description="pause between reconnect attempts to one server")
+    reconnect_buffer_bytes: int = Field(8 * 1024 * 1024, ge=0, description=(
+        "messages published while disconnected are kept up to this size and sent on reconnect; "
+        "0 = publish fails at once while disconnected"))
 
     @field_validator("url")
     @classmethod
@@ -58,6 +107,26 @@ class NatsConfig(_Strict):
             if not url.strip().startswith(("nats://", "tls://", "ws://", "wss://")):
                 raise ValueError(f"{url!r} must start with nats:// (or tls://, ws://, wss://)")
         return value
+
+    @field_validator("nkey_seed_file", "credentials_file")
+    @classmethod
+    def _exists(cls, value: str | None, info: Any) -> str | None:
+        return _readable_file(f"nats.{info.field_name}", value)
+
+    @model_validator(mode="after")
+    def _one_identity(self) -> "NatsConfig":
+        methods = [name for name, on in (("token", self.token), ("user/password", self.user or self.password),
+                                         ("nkey_seed_file", self.nkey_seed_file),
+                                         ("credentials_file", self.credentials_file)) if on]
+        if len(methods) > 1:
+            raise ValueError(f"nats: use one authentication method, not {' and '.join(methods)}")
+        if self.password and not self.user:
+            raise ValueError("nats.password is set without nats.user")
+        return self
+
+    @property
+    def wants_tls(self) -> bool:
+        return self.tls.enabled or any(u.strip().startswith(("tls://", "wss://")) for u in self.url.split(","))
 
 
 class TransportConfig(_Strict):
@@ -99,6 +168,11 @@ class RouterConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")
+    stall_timeout_s: float = Field(30.0, gt=0, description="a request whose decoder sends nothing for this long "
+                                   "mid-stream is presumed stuck and migrates to another decode instance")
+    max_migrations: int = Field(2, ge=0, description="failovers per request (resume elsewhere or retry on another "
+                                "prefill); then the request fails with 503")
+    wan_probe_interval_s: float = Field(2.0, gt=0, description="while a WAN link is down, probe it this often")
     forced_pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
     forced_handoff: Literal["one-shot", "catch-up"] | None = None
     first_token_after_kv: bool = Field(
@@ -183,12 +257,20 @@ def _format_errors(source: str, exc: ValidationError) -> str:
     lines = [f"{source}: invalid configuration ({exc.error_count()} problem(s)):"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
+        shown = err.get("input")
+        last = str(err["loc"][-1]) if err["loc"] else ""
+        if last in SECRET_KEYS and shown not in (None, ""):
+            shown = REDACTED
+        elif last == "url" and isinstance(shown, str):
+            shown = redact_url(shown)
+        else:
+            shown = redact(shown)  # a section's dict (model-level errors) may hold secrets
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling (see docs/CONFIG in README) or remove it"
         elif err["type"] == "missing":
             msg = "required field is missing; add it"
-        lines.append(f"  - {where}: {msg} (got {err.get('input')!r})" if err["type"] != "missing" else f"  - {where}: {msg}")
+        lines.append(f"  - {where}: {msg} (got {shown!r})" if err["type"] != "missing" else f"  - {where}: {msg}")
     return "\n".join(lines)
 
 
@@ -216,5 +298,37 @@ def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None =
         raise ConfigError(_format_errors(source, exc)) from None
 
 
-def dump_config(config: PDDConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+REDACTED = "<redacted>"
+SECRET_KEYS = frozenset({"token", "password", "api_keys", "secret_key", "secret"})
+
+
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^\s/@:,]*)(?P<pw>:[^\s/@,]*)?@")
+
+
+def redact_url(text: str) -> str:
+    """nats://user:pass@host -> nats://user:<redacted>@host, nats://tok@host -> nats://<redacted>@host,
+    for every URL in the text (a comma-separated list, an error message)."""
+    return _URL_CREDENTIALS.sub(
+        lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@" if m["pw"] else f"{m['scheme']}{REDACTED}@", text)
+
+
+def redact(data: Any) -> Any:
+    """A copy of a config (or any nested dict/list) with secrets replaced: for printing and logging."""
+    if isinstance(data, dict):
+        out = {}
+        for key, value in data.items():
+            if key in SECRET_KEYS and value not in (None, "", [], {}):
+                out[key] = [REDACTED] * len(value) if isinstance(value, list) else REDACTED
+            elif key == "url" and isinstance(value, str):
+                out[key] = redact_url(value)
+            else:
+                out[key] = redact(value)
+        return out
+    if isinstance(data, list):
+        return [redact(v) for v in data]
+    return data
+
+
+def dump_config(config: PDDConfig, show_secrets: bool = False) -> str:
+    data = config.model_dump(mode="json")
+    return yaml.safe_dump(data if show_secrets else redact(data), sort_keys=False)

@@ -32,6 +32,11 @@ REQUEST_HIT_RATIO = Histogram("pdd:request_prefix_hit_ratio", "Per-request share
                               ["side"], buckets=(0.5, 0.7, 0.8, 0.9, 0.95, 0.97, 0.98, 0.99, 1.0))
 REQUEST_WAN_BYTES = Histogram("pdd:request_wan_bytes", "KV bytes one request moved across the WAN",
                               buckets=(0, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30))
+MIGRATIONS = Counter("pdd:request_migrations_total",
+                     "Requests moved to another instance after a failure (resume from emitted tokens or retry)",
+                     ["kind"])
+WAN_UP = Gauge("pdd:wan_link_up", "1 while the router routes KV over the WAN to this decode instance", ["decode"])
+WAN_FALLBACKS = Counter("pdd:wan_fallback_total", "WAN KV transfers that failed and fell back", ["action"])
 RUNNING = Gauge("pdd:num_requests_running", "Requests in flight at this router")
 
 # Engines (P, RLD, MD)

@@ -2,7 +2,9 @@
 
 P owns position 0. With a relay, the relay owns every position up to the boundary it names
 (``owner_until``); MD owns the rest (MD chunks that arrive before the boundary is named wait).
-P-MD: MD owns positions from 1. Anything else (a duplicate, a stale owner) is dropped and counted.
+P-MD: MD owns positions from 1. After a migration ("resume") the one instance resuming the request
+(under its own attempt id) owns every position from where the client's stream stands.
+Anything else (a duplicate, a stale owner) is dropped and counted.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ class Emission:
 
 @dataclass
 class OwnershipTracker:
-    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD"
+    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD" | "resume"
     next_position: int = 0
     relay_until: int | None = None  # last relay position, once the relay names it
     finish_at: int | None = None  # total output length when known
@@ -34,6 +36,8 @@ class OwnershipTracker:
             return position == 0
         if position == 0:
             return False
+        if self.pipeline == "resume":
+            return role in ("relay", "decode")
         if role == "relay":
             return self.pipeline != "P-MD" and (self.relay_until is None or position <= self.relay_until)
         if role == "decode":

@@ -76,6 +76,7 @@ class RouterService(Service):
     async def on_stop(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
+        await self.orchestrator.stop()
         await self.registry.stop()
 
     def in_flight(self) -> int:

@@ -187,14 +187,25 @@ class Engine:
         params: SamplingParams | None = None,
         max_new_tokens: int = 16,
         hold_kv: bool = False,
+        known_outputs: list[int] | None = None,
     ) -> None:
         """Queue a request: prefix match, (chunked) prefill, then decode until a stop condition.
 
         hold_kv: when it finishes, keep its KV blocks pinned for export (request_blocks/release).
+        known_outputs: output tokens another engine already produced (request migration): they are
+        recomputed with the prompt and sampling continues at output position len(known_outputs).
         """
         prompt_ids = list(prompt_ids)
         params = self._check_new(rid, prompt_ids, params, max_new_tokens)
-        req = Request(rid, prompt_ids, len(prompt_ids), params, max_new_tokens, hold_kv=hold_kv)
+        known = list(known_outputs or [])
+        if known:
+            self._check_tokens(known)
+            if len(prompt_ids) + len(known) >= self.max_context:
+                raise PromptTooLongError(f"request {rid!r}: prompt plus {len(known)} known outputs reach the "
+                                         f"context limit {self.max_context}")
+        req = Request(rid, prompt_ids + known, len(prompt_ids), params, max_new_tokens, hold_kv=hold_kv)
+        if known and self._known_finish_reason(req):
+            raise EngineInputError(f"request {rid!r} already finished: its known outputs end it")
         self.requests[rid] = req
         self.scheduler.waiting.append(req)
 
