@@ -4,12 +4,14 @@ For non-root machines and unit tests. Each send is cut per layer; a layer's byte
 emulated link for ``bytes / rate`` (a token bucket shared by all sends of this transport, so
 concurrent transfers share bandwidth), then arrive ``delay ± jitter`` later (in order, like a FIFO
 link). ``set_down(True)`` blackholes the link: sends stall and fail with PeerLostError after
-``down_timeout_s`` while receivers see nothing — a WAN cut.
+``down_timeout_s`` while receivers see nothing — a WAN cut. ``down_file``: the link is also down
+while that file exists, so a test or an operator can cut a running service's WAN from outside.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from typing import Any, Sequence
@@ -22,13 +24,15 @@ from .units import rate_bits, seconds
 
 class ShapedTransport(KVTransport):
     def __init__(self, inner: KVTransport, rate: str | float | None = None, delay: str | float = 0.0,
-                 jitter: str | float = 0.0, seed: int = 0, down_timeout_s: float = 10.0) -> None:
+                 jitter: str | float = 0.0, seed: int = 0, down_timeout_s: float = 10.0,
+                 down_file: str | None = None) -> None:
         super().__init__(inner.options)
         self.inner = inner
         self.name = inner.name  # peers see the real transport
         self.rate_bps = rate_bits(rate) if rate else None
         self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
         self.down_timeout_s = down_timeout_s
+        self.down_file = down_file
         self._rng = random.Random(seed)
         self._link_free_at = 0.0  # token bucket as a virtual clock
         self._last_arrival = 0.0
@@ -102,13 +106,20 @@ class ShapedTransport(KVTransport):
         await self._wait_up(rid)
         return await self.inner.send(peer, rid, src, dst, layers, tc)
 
+    def is_up(self) -> bool:
+        return self._up.is_set() and not (self.down_file and os.path.exists(self.down_file))
+
     async def _wait_up(self, rid: str) -> None:
-        if self._up.is_set():
-            return
-        try:
-            await asyncio.wait_for(self._up.wait(), self.down_timeout_s)
-        except asyncio.TimeoutError:
-            raise PeerLostError(f"emulated WAN link down for {self.down_timeout_s}s", rid) from None
+        deadline = time.monotonic() + self.down_timeout_s
+        while not self.is_up():
+            if time.monotonic() >= deadline:
+                raise PeerLostError(f"emulated WAN link down for {self.down_timeout_s}s", rid)
+            try:
+                await asyncio.wait_for(self._up.wait(), 0.05)  # wakes at once on set_down(False)
+                if self.down_file:
+                    await asyncio.sleep(0.05)  # the file is polled
+            except asyncio.TimeoutError:
+                pass
 
     # KVTransport hooks are unused: every public method delegates to the wrapped transport.
     async def _start(self) -> None: ...

@@ -146,3 +146,18 @@ def test_import_errors_and_abort_frees(llama_path):
     assert engine.num_free_blocks() == 3
     engine.abort("h")
     assert engine.num_free_blocks() == 8
+
+
+
+def test_known_outputs_continue_a_migrated_request_exactly(llama_path):
+    """add_request(known_outputs=...) recomputes prompt + outputs and samples the very next position."""
+    engine = make_engine(llama_path)
+    prompt = list(range(5, 41))
+    params = SamplingParams(temperature=0.8, seed=11, ignore_eos=True)
+    full = engine.generate([prompt], params, max_new_tokens=24)[0]
+    for known in (1, 9, 23):
+        engine.add_request(f"r{known}", prompt, params, 24, known_outputs=full[:known])
+        assert full[:known] + run_all(engine)[f"r{known}"] == full
+    with pytest.raises(EngineInputError):  # nothing left to generate
+        engine.add_request("done", prompt, params, 24, known_outputs=full)
+    assert engine.num_free_blocks() + engine.cache.evictable_blocks == engine.num_total_blocks()

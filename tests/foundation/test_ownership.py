@@ -38,3 +38,11 @@ def test_relay_local_finish_and_prefill_finish():
     p = OwnershipTracker("P-MD")
     e = p.accept("prefill", 0, [7], "stop")
     assert e.token_ids == [7] and e.finish_reason == "stop"
+
+
+def test_resumed_request_takes_positions_from_the_resume_point_only():
+    t = OwnershipTracker("resume", next_position=5)
+    assert t.accept("decode", 3, [1, 2, 3, 4]).token_ids == [3, 4]  # positions 3, 4 were already emitted
+    assert t.accept("relay", 7, [9], "length").token_ids == [9]
+    assert t.accept("prefill", 0, [1]).token_ids == []
+    assert t.finish_reason == "length" and t.next_position == 8
