@@ -9,6 +9,8 @@ scenario streams the same requests concurrently and injects its fault mid-stream
 
 - kill_md / kill_rld: ``kill -9`` of the main decoder / relay holding the most requests;
 - nats_restart: nats-server stopped for --nats-down-s seconds, then restarted on the same port;
+- stop_p: ``SIGSTOP`` of the prefill the router prefers, before the requests arrive; they are
+  retried on the other prefill once the registry misses its heartbeats (SIGCONT at the end);
 - wan_cut: the WAN link blackholed for --wan-cut-s seconds while requests keep arriving (half of
   them forced onto P-MD, so their KV must cross the cut link).
 
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -35,7 +38,8 @@ import aiohttp
 from pdd.services.local_cluster import LocalCluster, http_json
 from pdd.transports import ucx_available
 
-SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut")
+SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut", "stop_p")
+DEFAULT_SCENARIOS = SCENARIOS[:4]  # the four; stop_p checks the retry path (no token out yet)
 HANG_GRACE_S = 15.0
 
 
@@ -59,6 +63,7 @@ def build_config(args: argparse.Namespace, run_dir: Path) -> dict:
         "instances": [
             {"id": "router-0", "role": "router", "site": "site-a"},
             {"id": "p-0", "role": "prefill", "site": "site-a"},
+            {"id": "p-1", "role": "prefill", "site": "site-a"},
             {"id": "rld-0", "role": "relay", "site": "site-a"},
             {"id": "rld-1", "role": "relay", "site": "site-a"},
             {"id": "md-0", "role": "decode", "site": "site-b"},
@@ -71,7 +76,7 @@ def build_config(args: argparse.Namespace, run_dir: Path) -> dict:
         },
         "router": {"request_timeout_s": args.deadline_s, "stall_timeout_s": 10.0, "max_migrations": 3,
                    "wan_probe_interval_s": 1.0},
-        "service": {"heartbeat_ms": 250, "missed_heartbeats": 4, "drain_timeout_s": 5},
+        "service": {"heartbeat_ms": 500, "missed_heartbeats": 6, "drain_timeout_s": 5},
         "telemetry": {"exporter": "none", "log_format": "json"},
     }
 
@@ -178,7 +183,14 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
 
     spread = args.wan_cut_s * 2 if name == "wan_cut" else 0.0  # transfers keep starting across the cut
 
+    if name == "stop_p":
+        facts["stopped"] = "p-0"  # equal cost ties go to the lowest id: p-0 gets the requests
+        cluster.kill("p-0", signal.SIGSTOP)
+
     async def fault(progress: list[int]) -> None:
+        if name == "stop_p":
+            await asyncio.sleep(0)
+            return
         if name == "wan_cut":
             await asyncio.sleep(spread * 0.2)
         else:
@@ -200,7 +212,11 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
             down.unlink()
 
     t0 = time.monotonic()
-    results = await run_load(cluster, texts, args, pipelines, fault, spread)
+    try:
+        results = await run_load(cluster, texts, args, pipelines, fault, spread)
+    finally:
+        if name == "stop_p":
+            cluster.kill("p-0", signal.SIGCONT)
     facts["seconds"] = round(time.monotonic() - t0, 1)
     leaked = await asyncio.to_thread(cluster.wait_idle, 30.0)
     summary = summarize(results, reference, leaked)
@@ -276,7 +292,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--deadline-s", type=float, default=120.0, help="per-request deadline (router)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"comma list from {SCENARIOS}")
     p.add_argument("--model", default=None, help="model path (default: a tiny seeded checkpoint)")
     p.add_argument("--kv-memory-mb", type=int, default=64)
     p.add_argument("--nats-down-s", type=float, default=5.0)

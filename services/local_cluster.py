@@ -47,6 +47,7 @@ class Member:
     log_path: Path
     proc: subprocess.Popen
     _log_file: Any = field(default=None, repr=False)
+    log_offset: int = 0  # where this process's lines start (a respawned instance appends to its log)
 
     @property
     def alive(self) -> bool:
@@ -54,7 +55,9 @@ class Member:
 
     def log_event(self, event: str) -> dict | None:
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                text = f.read().decode(errors="replace")
         except OSError:
             return None
         for line in text.splitlines():
@@ -105,14 +108,19 @@ class Member:
 
 
 class LocalCluster:
-    """``config``: a whole PDD config (dict); ``nats.url`` and the router port are filled in here."""
+    """``config``: a whole PDD config (dict); ``nats.url`` and the router port are filled in here.
+
+    ``nats_options``: keyword arguments of ``start_nats_server`` for auth and TLS (``token``, ``user``,
+    ``password``, ``tls``); the services' credentials go in ``config["nats"]`` as in a deployment.
+    """
 
     def __init__(self, run_dir: Path, config: dict, env: dict[str, str] | None = None,
-                 nats_args: list[str] | None = None):
+                 nats_args: list[str] | None = None, nats_options: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.config = json.loads(json.dumps(config))
         self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **(env or {})}
         self.nats_args = list(nats_args or [])
+        self.nats_options = dict(nats_options or {})
         self.nats: NatsServer | None = None
         self.nats_port = free_port()
         self.members: dict[str, Member] = {}
@@ -150,12 +158,13 @@ class LocalCluster:
         inst = next(i for i in self.config["instances"] if i["id"] == instance_id)
         log_path = self.run_dir / f"{instance_id}.log"
         log_file = open(log_path, "ab")
+        offset = log_file.tell()
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdd.services.cli", "serve", inst["role"], "--config", str(self.config_path),
              "--instance-id", instance_id],
             stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(env or {})},
             start_new_session=True)
-        member = Member(instance_id, inst["role"], log_path, proc, log_file)
+        member = Member(instance_id, inst["role"], log_path, proc, log_file, offset)
         self.members[instance_id] = member
         return member
 
@@ -175,7 +184,7 @@ class LocalCluster:
     # -- faults -----------------------------------------------------------------------------------
     def start_nats(self) -> None:
         self.nats = start_nats_server(port=self.nats_port, log_file=str(self.run_dir / "nats-server.log"),
-                                      extra_args=self.nats_args)
+                                      extra_args=self.nats_args, **self.nats_options)
 
     def stop_nats(self) -> None:
         if self.nats is not None:

@@ -122,6 +122,8 @@ class MainDecodeService(ReceiverService):
                                   paused=not message.final)
             elif message.token_ids:
                 await self.runner.call(self.engine.extend_known, rid, list(message.token_ids), message.start)
+        if rid not in self.decoding:  # cancelled while the extend was queued
+            return
         if message.final:
             state.owner = True
             self._start_decode_span(state)

@@ -21,7 +21,7 @@ from pdd.shared.protocol import (
     Cancel, ImportPlan, KVReady, Message, PrefillResult, PrepareImport, Subjects, SubmitRequest,
 )
 from pdd.shared.telemetry import get_logger, inject_headers
-from pdd.transports.errors import PeerLostError
+from pdd.transports.errors import PeerLostError, TransferTimeout
 
 log = get_logger("pdd.prefill")
 tracer = trace.get_tracer("pdd.prefill")
@@ -140,7 +140,11 @@ class PrefillService(EngineService):
         rid = req.request_id
         wan_only = all(d.transport == "wan" for d, _ in failed) and len(failed) < len(dests)
         dest, exc = failed[0]
-        code = "wan_transfer_failed" if dest.transport == "wan" else "kv_transfer_failed"
+        # only a link that lost its peer or timed out says the WAN is down; a receiver that refused the
+        # frames (e.g. MD dropped the request because the relay already finished it) says nothing about it
+        link_down = isinstance(exc, (PeerLostError, TransferTimeout, TimeoutError))
+        code = ("wan_transfer_failed" if link_down else "wan_transfer_refused") if dest.transport == "wan" \
+            else "kv_transfer_failed"
         if wan_only:
             await self.bus.publish(Subjects.instance(dest.instance_id, "cancel"),
                                    Cancel(rid, reason="wan transfer failed"))

@@ -41,6 +41,7 @@ tracer = trace.get_tracer("pdd.router")
 CACHE_QUERY_TIMEOUT_S = 0.5
 WATCH_INTERVAL_S = 0.25  # how often a waiting request checks its instances' health
 EXCLUDE_ON_ERROR = ("draining",)  # the sender itself cannot take this request now
+WAN_ERRORS = ("wan_transfer_failed", "wan_transfer_refused")  # P's WAN transfer to MD did not complete
 
 
 @dataclass
@@ -314,7 +315,7 @@ class Orchestrator:
             target = state.route.prefill.instance_id
         else:
             kind = "resume"
-            target = self._resume_target(state, prefer_relay=failure.code == "wan_transfer_failed")
+            target = self._resume_target(state, prefer_relay=failure.code in WAN_ERRORS)
             state.tracker = OwnershipTracker("resume", next_position=len(state.flushed),
                                              relay_tokens=state.tracker.relay_tokens)
             state.resumed_on = target
@@ -445,8 +446,9 @@ class Orchestrator:
 
     def _on_error(self, state: InFlight, error: ErrorReply) -> None:
         route = state.route
-        if error.code == "wan_transfer_failed" and route.decode is not None and state.resumed_on is None:
-            self.wan.mark_down(route.decode.instance_id, error.message)
+        if error.code in WAN_ERRORS and route.decode is not None and state.resumed_on is None:
+            if error.code == "wan_transfer_failed":
+                self.wan.mark_down(route.decode.instance_id, error.message)
             relay_owns = route.pipeline == "P-RLD-MD" and state.tracker.relay_until is None
             if relay_owns and route.relay is not None and self.registry.get(route.relay.instance_id) is not None:
                 state.wan_fallback = True  # the relay keeps decoding to the end (P-RLD); MD got a cancel

@@ -1,4 +1,5 @@
-"""Failover with real processes: kill -9 of a main decoder and of a relay mid-stream, and a WAN cut.
+"""Failover with real processes: kill -9 of a main decoder and of a relay mid-stream, a WAN cut,
+and a frozen prefill (retry before the first token).
 
 Each scenario streams the same greedy requests as an undisturbed reference run and checks that every
 request completes with identical token ids, none hangs, and no live instance keeps a KV block.
@@ -29,11 +30,12 @@ def _assert_clean(report: dict) -> None:
 
 def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model):
     report = _run(tmp_path, tiny_model, "--requests", "12", "--max-tokens", "40", "--wan-cut-s", "4",
-                  "--scenarios", "kill_md,kill_rld,wan_cut")
+                  "--scenarios", "kill_md,kill_rld,wan_cut,stop_p")
     _assert_clean(report)
     assert report["kill_md"]["killed"].startswith("md-") and report["kill_md"]["migrated"] > 0
     assert report["kill_rld"]["killed"].startswith("rld-") and report["kill_rld"]["migrated"] > 0
     assert report["kill_md"]["killed"] not in report["kill_md"]["alive"]
+    assert report["stop_p"]["migrated"] > 0  # requests sent to the frozen prefill were retried on the other
 
 
 @pytest.mark.slow
