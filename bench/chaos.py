@@ -152,6 +152,16 @@ async def wait_streaming(progress: list[int], share: float, min_tokens: int, tim
         await asyncio.sleep(0.05)
 
 
+def wait_busy(cluster: LocalCluster, role: str, in_flight: int, timeout: float = 60.0) -> None:
+    """Until one instance of ``role`` holds at least ``in_flight`` requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(m.health().get("in_flight", 0) >= in_flight for m in cluster.members.values()
+               if m.role == role and m.alive):
+            return
+        time.sleep(0.1)
+
+
 def busiest(cluster: LocalCluster, role: str) -> str:
     members = [m for m in cluster.members.values() if m.role == role and m.alive]
     return max(members, key=lambda m: (m.health().get("in_flight", 0), m.instance_id)).instance_id
@@ -193,6 +203,9 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
             return
         if name == "wan_cut":
             await asyncio.sleep(spread * 0.2)
+        elif name == "kill_rld":  # relays hold requests briefly (until handoff or a short P-RLD finish)
+            await wait_streaming(progress, 0.05, 2)
+            await asyncio.to_thread(wait_busy, cluster, "relay", max(1, len(texts) // 8))
         else:
             await wait_streaming(progress, 0.5, 3)
         if name in ("kill_md", "kill_rld"):
