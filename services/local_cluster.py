@@ -73,9 +73,9 @@ class Member:
         ready = self.log_event("service_ready")
         return ready.get("metrics") if ready else None
 
-    def health(self) -> dict:
+    def health(self, timeout: float = 10.0) -> dict:
         url = self.metrics_url
-        return http_json(url.replace("/metrics", "/health"))[1] if url else {}
+        return http_json(url.replace("/metrics", "/health"), timeout)[1] if url else {}
 
     def rss_bytes(self) -> int:
         try:
