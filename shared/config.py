@@ -97,8 +97,14 @@ class NatsConfig(_Strict):
     max_reconnect_attempts: int = Field(-1, description="-1 = forever")
     reconnect_time_wait_s: float = Field(0.25, gt=0, description="pause between reconnect attempts to one server")
     reconnect_buffer_bytes: int = Field(8 * 1024 * 1024, ge=0, description=(
-        "messages published while disconnected are kept up to this size and sent on reconnect; "
+        "messages published while disconnected are kept up to this size and sent after the reconnect; "
         "0 = publish fails at once while disconnected"))
+    reconnect_settle_s: float = Field(1.0, ge=0, description=(
+        "after a reconnect, hold publishes this long so the other services are back and subscribed "
+        "(a NATS message that finds no subscriber is dropped)"))
+    replay_window_s: float = Field(1.0, ge=0, description=(
+        "what was sent to the router in this window before a disconnect is sent again after the reconnect "
+        "(the router drops duplicates; a dying server loses what it had not delivered); 0 = off"))
 
     @field_validator("url")
     @classmethod

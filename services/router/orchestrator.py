@@ -274,15 +274,18 @@ class Orchestrator:
         if not self.bus.is_connected:
             self._bus_down_at = now
         service = self.config.service
-        grace = service.missed_heartbeats * service.heartbeat_ms / 1000 + 1.0
+        grace = service.missed_heartbeats * service.heartbeat_ms / 1000 + self.config.nats.reconnect_settle_s
         if now - self._bus_down_at < grace:  # blind while NATS is away, and until heartbeats are back
-            state.last_progress = now
             return None
         for instance_id in self._depends_on(state):
             if self.registry.get(instance_id) is None:
                 return Failure("instance_lost", f"{instance_id} stopped answering", exclude=instance_id)
-        silent = time.monotonic() - state.last_progress
-        if state.flushed and silent > self.config.router.stall_timeout_s:
+        # a stream silent since before a NATS outage lost its chunks with the old server: do not wait the
+        # whole stall timeout for it once the fleet is visible again
+        lost_in_outage = state.last_progress < self._bus_down_at
+        silent = now - max(state.last_progress, self._bus_down_at + grace)
+        limit = grace if lost_in_outage else self.config.router.stall_timeout_s
+        if state.flushed and silent > limit:
             owner = state.resumed_on or (self._depends_on(state) or [None])[-1]
             return Failure("stalled", f"no output for {silent:.1f}s", exclude=owner)
         return None
