@@ -1,8 +1,11 @@
 """Async streaming client for OpenAI-compatible servers: one request in, its timings out.
 
 TTFT = first chunk carrying text; ITL = gaps between later text chunks; E2EL = whole request;
-TPOT = (E2EL - TTFT) / (output tokens - 1). Token counts come from the server's `usage` when it
-sends one (stream_options.include_usage), else one token per text chunk.
+TPOT = (E2EL - TTFT) / (output tokens - 1). TTFE = first stream event of any kind (a chat stream's
+role chunk, sent once the server has its first token): when the first tokens decode to no visible
+text yet (partial UTF-8, as a random tiny model often emits), TTFE is still the time to first token.
+Token counts come from the server's `usage` when it sends one (stream_options.include_usage), else
+one token per text chunk.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class RequestResult:
     error: str = ""
     start: float = 0.0  # seconds since the run began
     ttft: float | None = None
+    ttfe: float | None = None  # time to the first stream event (any data chunk)
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -88,6 +92,8 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, mode
                     data = line[5:].strip()
                     if data == b"[DONE]":
                         continue
+                    if res.ttfe is None:
+                        res.ttfe = time.perf_counter() - start
                     msg = json.loads(data)
                     if msg.get("usage"):
                         usage = msg["usage"]

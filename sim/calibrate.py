@@ -4,6 +4,8 @@ Prefill: TTFT of requests that found the prefill engine idle = p0 + p_tok*new + 
 Decode: each request's mean inter-token time = d0 + d_seq*batch + d_ctx*kv_tokens, with batch and
 KV tokens averaged over its own decode window (reconstructed from every request's timestamps).
 Both are linear least squares: no search, no dependence on the figures being predicted.
+Optional (`service_noise`): the log-spread of idle prefill times (`p_sigma`), so that a noisy live
+system's TTFT tail can be predicted; the simulator draws mean-preserving lognormal service times.
 """
 
 from __future__ import annotations
@@ -31,17 +33,21 @@ class BenchRun:
     output: np.ndarray
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "BenchRun":
+    def from_json(cls, data: dict[str, Any], ttft_field: str = "ttft") -> "BenchRun":
+        """``ttft_field="ttfe"``: time to the first stream event instead of the first visible text
+        (the same unless the first tokens decode to no text yet, as with a random tiny model)."""
         reqs = [r for r in data.get("requests", []) if r.get("success")]
         if not reqs:
             raise ValueError("bench JSON has no successful per-request records ('requests')")
+        if ttft_field != "ttft" and any(r.get(ttft_field) is None for r in reqs):
+            raise ValueError(f"bench JSON lacks '{ttft_field}' on some requests (older `pdd bench`?)")
         col = lambda k, d=0: np.array([float(r.get(k) or d) for r in reqs])  # noqa: E731
-        return cls(col("start"), col("ttft"), col("e2el"), col("prompt_tokens"), col("cached_tokens"),
+        return cls(col("start"), col(ttft_field), col("e2el"), col("prompt_tokens"), col("cached_tokens"),
                    col("output_tokens"))
 
     @classmethod
-    def load(cls, path: str | Path) -> "BenchRun":
-        return cls.from_json(json.loads(Path(path).read_text()))
+    def load(cls, path: str | Path, ttft_field: str = "ttft") -> "BenchRun":
+        return cls.from_json(json.loads(Path(path).read_text()), ttft_field)
 
 
 def to_bench_json(inp: SimInput, res: SimResult) -> dict[str, Any]:
@@ -92,8 +98,18 @@ def decode_regressors(run: BenchRun) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return tpot[keep], batch[keep], ctx_sum[keep]
 
 
-def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0) -> CostModel:
-    """Coefficients from one or more runs. `transfer_s`: fixed KV hand-over time inside TTFT."""
+def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0, first_token_from_prefill: bool = False,
+        service_noise: bool = False) -> CostModel:
+    """Coefficients from one or more runs. `transfer_s`: fixed KV hand-over time inside TTFT.
+
+    `first_token_from_prefill`: the client gets the first token straight from the prefill instance
+    (PDD: P samples it and the router streams it at once), so an idle request's TTFT is the whole
+    prefill service time and no decode step is subtracted from p0. Without it (conventional P-D) the
+    first token comes from the decoder's first step after the KV hand-over, and both are taken out.
+
+    `service_noise`: the log-spread of the idle requests' TTFT around the fitted line gives
+    `p_sigma` (OS scheduling and co-tenant noise; a deterministic service time has no tail).
+    """
     X_p, y_p, X_d, y_d = [], [], [], []
     for run in runs:
         new = run.prompt - run.cached
@@ -110,20 +126,29 @@ def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0) -> CostModel:
         X_d.append(np.column_stack([np.ones(len(tpot)), batch, ctx]))
         y_d.append(tpot)
     d = _lstsq_nonneg(np.vstack(X_d), np.concatenate(y_d))
-    p = _lstsq_nonneg(np.vstack(X_p), np.concatenate(y_p))
-    first_step = d[0] + d[1] + d[2] * float(np.mean(np.concatenate([r.prompt for r in runs])))
+    Xp, yp = np.vstack(X_p), np.concatenate(y_p)
+    p = _lstsq_nonneg(Xp, yp)
+    sigma = 0.0
+    if service_noise:
+        yhat = Xp @ p
+        ok = (yhat > 0) & (yp > 0)
+        sigma = float(np.std(np.log(yp[ok] / yhat[ok]))) if ok.sum() > 2 else 0.0
+    first_step = 0.0 if first_token_from_prefill else (
+        d[0] + d[1] + d[2] * float(np.mean(np.concatenate([r.prompt for r in runs]))))
     return CostModel(p0=max(0.0, p[0] - transfer_s - first_step), p_tok=p[1], p_attn=p[2],
+                     p_sigma=sigma,
                      d0=d[0], d_w=0.0, d_seq=d[1], d_ctx=d[2])
 
 
 def predict(cm: CostModel, run: BenchRun, n_prefill: int = 1, n_decode: int = 1,
-            rdma_setup_s: float = 0.0) -> SimResult:
+            rdma_setup_s: float = 0.0, first_token_from_prefill: bool = False) -> SimResult:
     """Replay a run's arrivals and token counts through the simulator with fitted coefficients."""
     inp = SimInput(
         arrivals=run.start - run.start.min(), prompt=run.prompt.astype(np.int64),
         cached=run.cached.astype(np.int64), output=run.output.astype(np.int64),
         prefill=cm, decode=cm, n_prefill=n_prefill, n_decode=n_decode, kv_bytes_per_token=1.0,
         kind="local", rdma_setup_s=rdma_setup_s, record_itl=False,
+        first_token_from_prefill=first_token_from_prefill,
     )
     return simulate(inp)
 

@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--n-prefill", type=int, default=1)
     cal.add_argument("--n-decode", type=int, default=1)
     cal.add_argument("--transfer-s", type=float, default=0.0, help="fixed KV hand-over time inside TTFT")
+    cal.add_argument("--first-token-from-prefill", action="store_true",
+                     help="the first token is streamed from the prefill instance (PDD), not the decoder")
+    cal.add_argument("--service-noise", action="store_true",
+                     help="fit p_sigma: lognormal spread of prefill service time (gives TTFT a tail)")
+    cal.add_argument("--ttft-field", choices=("ttft", "ttfe"), default="ttft",
+                     help="per-request TTFT column: first visible text (ttft) or first stream event (ttfe)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,13 +153,15 @@ def _calibrate(args: argparse.Namespace) -> int:
     from .calibrate import BenchRun, compare, fit, predict
     from .report import np_clean
 
-    runs = [BenchRun.load(p) for p in args.fit]
-    cm = fit(runs, transfer_s=args.transfer_s)
-    hold = BenchRun.load(args.predict)
-    pred = predict(cm, hold, args.n_prefill, args.n_decode, args.transfer_s)
+    runs = [BenchRun.load(p, args.ttft_field) for p in args.fit]
+    cm = fit(runs, transfer_s=args.transfer_s, first_token_from_prefill=args.first_token_from_prefill,
+             service_noise=args.service_noise)
+    hold = BenchRun.load(args.predict, args.ttft_field)
+    pred = predict(cm, hold, args.n_prefill, args.n_decode, args.transfer_s,
+                   first_token_from_prefill=args.first_token_from_prefill)
     cmp = compare(pred, hold)
-    print("fitted coefficients:", json.dumps(np_clean({k: v for k, v in cm.to_dict().items() if k in
-                                                       ("p0", "p_tok", "p_attn", "d0", "d_seq", "d_ctx")})))
+    shown = ("p0", "p_tok", "p_attn", "p_sigma", "d0", "d_seq", "d_ctx")
+    print("fitted coefficients:", json.dumps(np_clean({k: v for k, v in cm.to_dict().items() if k in shown})))
     for k, v in cmp.items():
         print(f"{k:>18}: {v:.4g}")
     print(json.dumps(np_clean({"coefficients": cm.to_dict(), **cmp})))

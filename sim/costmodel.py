@@ -19,6 +19,7 @@ class CostModel:
     p0: float = 0.02  # fixed cost of one prefill (scheduling, launch)
     p_tok: float = 1e-5  # per new prompt token (weights FLOPs)
     p_attn: float = 0.0  # per (new token x attended token) pair (attention FLOPs)
+    p_sigma: float = 0.0  # lognormal sigma of prefill service time (fitted live; 0 = deterministic)
     d0: float = 0.005  # fixed cost of one decode step
     d_w: float = 0.0  # reading all weights once (scaled by the touched share for MoE)
     d_seq: float = 0.0  # per sequence in the batch (compute)
