@@ -162,6 +162,25 @@ def wait_busy(cluster: LocalCluster, role: str, in_flight: int, timeout: float =
         time.sleep(0.1)
 
 
+def links_down(cluster: LocalCluster) -> list[str]:
+    """Decode instances the router currently routes no KV to (``pdd:wan_link_up`` = 0)."""
+    import urllib.request
+
+    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return [line.split('"')[1] for line in text.splitlines()
+            if line.startswith("pdd:wan_link_up{") and line.rstrip().endswith(" 0.0")]
+
+
+def wait_links_up(cluster: LocalCluster, t0: float, timeout: float = 60.0) -> float | None:
+    """Seconds from t0 (the link restored) until the router's probes bring every link back."""
+    while time.monotonic() - t0 < timeout:
+        if not links_down(cluster):
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.2)
+    return None
+
+
 def busiest(cluster: LocalCluster, role: str) -> str:
     members = [m for m in cluster.members.values() if m.role == role and m.alive]
     return max(members, key=lambda m: (m.health().get("in_flight", 0), m.instance_id)).instance_id
@@ -223,6 +242,8 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
             down.touch()
             await asyncio.sleep(args.wan_cut_s)
             down.unlink()
+            facts["links_marked_down"] = len(await asyncio.to_thread(links_down, cluster)) or "none yet"
+            facts["wan_back_after_s"] = await asyncio.to_thread(wait_links_up, cluster, time.monotonic())
 
     t0 = time.monotonic()
     try:

@@ -35,6 +35,7 @@ def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model):
     assert report["kill_md"]["killed"].startswith("md-") and report["kill_md"]["migrated"] > 0
     assert report["kill_rld"]["killed"].startswith("rld-") and report["kill_rld"]["migrated"] > 0
     assert report["kill_md"]["killed"] not in report["kill_md"]["alive"]
+    assert report["wan_cut"]["wan_back_after_s"] is not None  # probes found the link again
     assert report["stop_p"]["migrated"] > 0  # requests sent to the frozen prefill were retried on the other
 
 
