@@ -47,9 +47,14 @@ class EngineRunner:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn`` on the engine thread, between steps."""
+        """Run ``fn`` on the engine thread, between steps.
+
+        Once queued, ``fn`` runs even if the caller is cancelled while it waits for the engine thread:
+        a cleanup call (``abort``, ``release``) in a cancelled task's ``finally`` must not be dropped,
+        or the request's KV blocks stay allocated forever.
+        """
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+        return await asyncio.shield(loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs)))
 
     def watch(self, rid: str, callback: OutputCallback) -> None:
         self._callbacks[rid] = callback

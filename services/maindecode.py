@@ -121,18 +121,25 @@ class MainDecodeService(ReceiverService):
                 await self.commit(inc, list(inc.outputs), lambda out: self._on_output(state, out),
                                   paused=not message.final)
             elif message.token_ids:
-                await self.runner.call(self.engine.extend_known, rid, list(message.token_ids), message.start)
+                await self.runner.call(self._if_live, rid, self.engine.extend_known, list(message.token_ids),
+                                       message.start)
         if rid not in self.decoding:  # cancelled while the extend was queued
             return
         if message.final:
             state.owner = True
             self._start_decode_span(state)
-            await self.runner.call(self.engine.resume, rid)
+            await self.runner.call(self._if_live, rid, self.engine.resume)
             self.runner.wake()
         else:
             self.runner.wake()
             await self.bus.publish(Subjects.instance(message.rld_instance, "handoff_ack"), HandoffAck(
                 request_id=rid, md_instance=self.instance_id, through_position=len(inc.outputs) - 1))
+
+    def _if_live(self, rid: str, fn, *args) -> None:
+        """Engine thread: act on ``rid`` only if the engine still has it. A step may finish it, or a Cancel
+        abort it, after this handler's last check and before this call runs (found by tests/fuzz)."""
+        if rid in self.engine.requests:
+            fn(rid, *args)
 
     def _cache_and_free(self, rid: str, committed: bool) -> None:
         if committed and rid in self.engine.requests:

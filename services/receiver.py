@@ -30,6 +30,7 @@ log = get_logger("pdd.receiver")
 tracer = trace.get_tracer("pdd.receiver")
 
 IMPORT_LEASE_S = 120.0  # reserved blocks whose KV never arrives are freed after this
+CANCEL_MEMORY_S = 30.0  # a Cancel can overtake its request's prepare_import (separate subscriptions)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ReceiverService(EngineService):
     def __init__(self, config, instance):
         super().__init__(config, instance)
         self.incoming: dict[str, Incoming] = {}
+        self._cancelled: dict[str, float] = {}  # recently cancelled request ids -> monotonic time
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -73,12 +75,18 @@ class ReceiverService(EngineService):
                               retryable=True)
         if rid in self.incoming:
             return ErrorReply(code="duplicate", message=f"request {rid} already imported here", request_id=rid)
+        cancelled = ErrorReply(code="cancelled", message=f"request {rid} was cancelled", request_id=rid)
+        if rid in self._cancelled:
+            return cancelled
         try:
             plan = await self.runner.call(self.engine.prepare_import, rid, message.prompt_ids, message.use_cache)
         except OutOfBlocks as exc:
             return ErrorReply(code="out_of_kv_blocks", message=str(exc), request_id=rid, retryable=True)
         except EngineInputError as exc:
             return ErrorReply(code="invalid_request", message=str(exc), request_id=rid)
+        if rid in self._cancelled:  # the Cancel ran while the blocks were being reserved: nobody sends KV
+            await self.runner.call(self.engine.abort, rid)
+            return cancelled
         transport = self.transports[self.transport_kind]
         remaining = max(1.0, message.deadline_unix - time.time())
         timeout = min(IMPORT_LEASE_S, remaining)
@@ -213,4 +221,14 @@ class ReceiverService(EngineService):
         await EngineService.cancel_request(self, rid, "dropped")
 
     async def cancel_request(self, request_id: str, reason: str) -> None:
+        """Also remembered for a while: a prepare_import still queued here must not reserve blocks for
+        a request that no longer exists (they would stay reserved until the lease ran out)."""
+        now = time.monotonic()
+        self._cancelled.pop(request_id, None)
+        self._cancelled[request_id] = now
+        while self._cancelled:
+            oldest = next(iter(self._cancelled))
+            if now - self._cancelled[oldest] <= CANCEL_MEMORY_S and len(self._cancelled) <= 100_000:
+                break
+            del self._cancelled[oldest]
         await self.drop(request_id)

@@ -28,6 +28,9 @@ log = get_logger("pdd.registry")
 INSTANCES = Gauge("pdd:registry_instances", "Live instances known to this router", ["role"])
 
 
+MAX_HEARTBEAT_MS = 60_000  # the config's ceiling: an announce claiming more is not trusted beyond it
+
+
 @dataclass
 class InstanceState:
     info: Announce
@@ -97,7 +100,7 @@ class Registry:
         now = self.clock()
         dead = [
             iid for iid, st in self._instances.items()
-            if now - st.last_seen > self.missed_heartbeats * st.info.heartbeat_ms / 1000
+            if now - st.last_seen > self.missed_heartbeats * min(st.info.heartbeat_ms, MAX_HEARTBEAT_MS) / 1000
         ]
         for iid in dead:
             st = self._instances.pop(iid)

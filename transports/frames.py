@@ -130,7 +130,7 @@ def decode_header(data: bytes | memoryview) -> FrameHeader:
         raise MalformedHeader("block ids must be a non-empty list of non-negative ints", rid_str)
     if len(set(blocks)) != len(blocks):
         raise MalformedHeader("duplicate block ids in one frame", rid_str)
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise MalformedHeader(f"unsupported dtype {dtype!r}", rid_str)
     if not (isinstance(shape, list) and len(shape) == 4 and all(_is_int(s) and s > 0 for s in shape)):
         raise MalformedHeader("shape must be 4 positive ints", rid_str)

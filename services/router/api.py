@@ -18,10 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Protocol, TypeVar, runtime_checkable
 
 import anyio
+import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.errors import APIError, from_validation_error, install_error_handlers, log
@@ -66,7 +68,13 @@ class Backend(Protocol):
 
 class _CountResponses:
     """Pure ASGI middleware counting responses (BaseHTTPMiddleware would wrap ``receive`` and
-    interfere with disconnect detection). Routes outside the API collapse into one label."""
+    interfere with disconnect detection). Routes outside the API collapse into one label.
+
+    It also drops the response of a request the server has already answered itself: uvicorn replies
+    400 to a malformed request (a broken chunked body, say) while the app still runs, and the app's
+    own response then fails in h11. Like a disconnected client's, that response goes nowhere; it is
+    not an application error (nor a 5xx in the metrics).
+    """
 
     def __init__(self, app: Any):
         self.app = app
@@ -77,10 +85,20 @@ class _CountResponses:
         path = scope.get("path", "")
         route = path if path in _ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
+        answered = False
+
         async def counting_send(message: dict) -> None:
+            nonlocal answered
+            if answered:
+                return
+            try:
+                await send(message)
+            except h11.LocalProtocolError:
+                answered = True
+                log.info("response_dropped", path=path, reason="the server already answered this request")
+                return
             if message["type"] == "http.response.start":
                 HTTP_RESPONSES.labels(route=route, status=str(message["status"])).inc()
-            await send(message)
 
         await self.app(scope, receive, counting_send)
 
@@ -206,10 +224,13 @@ class _API:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
         body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > limit:
-                raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        try:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    raise APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        except ClientDisconnect:  # the connection ended before the body did: nobody to answer, no error
+            raise _Gone() from None
         return bytes(body)
 
     @staticmethod
