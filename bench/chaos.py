@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from pdd.services.local_cluster import LocalCluster, http_json
+from pdd.services.local_cluster import LocalCluster
 from pdd.transports import ucx_available
 
 SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut", "stop_p")

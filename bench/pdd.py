@@ -30,7 +30,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,9 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-REPO = Path(__file__).resolve().parents[1]
 # Run as `python bench/pdd.py`, this file's folder is sys.path[0] and would shadow the `pdd` package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
@@ -49,88 +45,34 @@ SETUPS = ("colocated", "naive", "pdd")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: 46,080 B/token
 
 from pdd.loadgen.workload import WORDS as _WORDS  # noqa: E402  (one-token English words)
+from pdd.services.local_cluster import LocalCluster  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    from pdd.shared.natsserver import free_port
-
-    return free_port()
-
-
-def _http_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        return exc.code, {}
-    except (OSError, ValueError):
-        return 0, {}
-
-
 def _http_text(url: str, timeout: float = 5.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return resp.read().decode()
 
 
-class Proc:
-    """One `pdd serve ROLE` process with its own log; stopped by its own pid only."""
-
-    def __init__(self, role: str, config: Path, instance_id: str, run_dir: Path, env: dict | None = None):
-        self.role, self.instance_id = role, instance_id
-        self.log_path = run_dir / f"{instance_id}.log"
-        child_env = dict(os.environ)
-        child_env.update(env or {})
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd.services.cli", "serve", role, "--config", str(config),
-             "--instance-id", instance_id],
-            stdout=self._log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True, cwd=str(REPO))
-
-    def log_event(self, event: str) -> dict | None:
-        try:
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if f'"{event}"' in line:
-                    try:
-                        return json.loads(line)
-                    except json.JSONDecodeError:
-                        return None
-        except OSError:
-            pass
-        return None
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        self._log.close()
-
-
 class System:
-    """nats-server + router + P + RLD + MD for one setup."""
+    """nats-server + router + P + RLD + MD for one setup (a LocalCluster with this setup's config)."""
 
     def __init__(self, name: str, run_dir: Path, args: argparse.Namespace):
         self.name = name
         self.run_dir = run_dir
         self.args = args
-        self.procs: dict[str, Proc] = {}
-        self.nats = None
-        self.port = _free_port()
         self.spans_path = run_dir / "spans.jsonl"
+        env = {} if args.ucx_python_future else {"UCXPY_ENABLE_PYTHON_FUTURE": "0"}
+        naive_md = {"md-0": {"PDD__MODEL__ENABLE_PREFIX_CACHE": "false"}} if name == "naive" else {}
+        self.cluster = LocalCluster(run_dir, self.config(), env=env, instance_env=naive_md)
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.cluster.base_url
 
-    def config(self, nats_url: str) -> dict:
+    def config(self) -> dict:
         a = self.args
         wan_opts: dict[str, Any] = {"streams": 2}
         if self.name != "colocated":
@@ -145,7 +87,6 @@ class System:
         return {
             "model": {"path": a.model, "kv_memory_mb": a.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
                       "threads": a.threads, "max_prefill_tokens": 2048},
-            "nats": {"url": nats_url},
             "sites": [{"name": "site-a"}, {"name": "site-b"}],
             "instances": [
                 {"id": "router-0", "role": "router", "site": "site-a"},
@@ -155,54 +96,23 @@ class System:
             ],
             "transports": {"fast": {"name": fast, "options": {}}, "wan": {"name": "zmq", "options": wan_opts}},
             # the baselines are conventional PD: the client's first token waits for the decoder's KV
-            "router": {"port": self.port, "request_timeout_s": 600, "first_token_after_kv": self.name != "pdd"},
+            "router": {"request_timeout_s": 600, "first_token_after_kv": self.name != "pdd"},
             "policy": policy,
             "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
             "telemetry": {"exporter": "jsonl", "jsonl_path": str(self.spans_path), "log_format": "json"},
         }
 
     def start(self, timeout: float = 300.0) -> float:
-        from pdd.shared.natsserver import start_nats_server
+        return self.cluster.start(timeout)
 
-        t0 = time.monotonic()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.nats = start_nats_server(port=_free_port(), log_file=str(self.run_dir / "nats-server.log"))
-        cfg_path = self.run_dir / "pdd.yaml"
-        cfg_path.write_text(yaml.safe_dump(self.config(self.nats.url), sort_keys=False))
-        base_env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1"} if self.args.ucx_python_future else {}
-        md_env = {**base_env, **({"PDD__MODEL__ENABLE_PREFIX_CACHE": "false"} if self.name == "naive" else {})}
-        for iid, role, env in (("router-0", "router", base_env), ("p-0", "prefill", base_env),
-                               ("rld-0", "relay", base_env), ("md-0", "decode", md_env)):
-            self.procs[iid] = Proc(role, cfg_path, iid, self.run_dir, env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for p in self.procs.values():
-                if p.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name}: {p.instance_id} exited ({p.proc.returncode}); "
-                                       f"log {p.log_path}:\n{p.log_path.read_text(errors='replace')[-3000:]}")
-            if _http_json(self.base_url + "/health")[0] == 200:
-                return time.monotonic() - t0
-            time.sleep(0.25)
-        raise TimeoutError(f"{self.name}: router not healthy after {timeout:.0f}s; logs in {self.run_dir}")
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.cluster.members.values()] + [self.cluster.nats.pid]
 
     def metrics_url(self, iid: str) -> str | None:
-        if iid == "router-0":
-            return self.base_url + "/metrics"
-        ev = self.procs[iid].log_event("service_ready")
-        return ev.get("metrics") if ev else None
+        return self.base_url + "/metrics" if iid == "router-0" else self.cluster.members[iid].metrics_url
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.proc.poll() is None:
-                try:
-                    p.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs.values():
-            p.stop()
-        if self.nats is not None:
-            self.nats.stop()
-            self.nats = None
+        self.cluster.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(warm_up(system.base_url, args, vocab_ids,
                                 ["P-MD"] if name != "pdd" else ["P-MD", "P-RLD-MD"]))
             before = scrape_all(system)
-            pids = [p.proc.pid for p in system.procs.values()] + [system.nats.pid]
+            pids = system.pids()
             cpu0 = cpu_sample(pids)
             pipeline = None if name == "pdd" else "P-MD"
             results, makespan = asyncio.run(run_workload(system.base_url, plans, args, pipeline, name))

@@ -115,12 +115,14 @@ class LocalCluster:
     """
 
     def __init__(self, run_dir: Path, config: dict, env: dict[str, str] | None = None,
-                 nats_args: list[str] | None = None, nats_options: dict[str, Any] | None = None):
+                 nats_args: list[str] | None = None, nats_options: dict[str, Any] | None = None,
+                 instance_env: dict[str, dict[str, str]] | None = None):
         self.run_dir = Path(run_dir)
         self.config = json.loads(json.dumps(config))
         self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **(env or {})}
         self.nats_args = list(nats_args or [])
         self.nats_options = dict(nats_options or {})
+        self.instance_env = dict(instance_env or {})  # extra environment for one instance (by id)
         self.nats: NatsServer | None = None
         self.nats_port = free_port()
         self.members: dict[str, Member] = {}
@@ -162,7 +164,8 @@ class LocalCluster:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdd.services.cli", "serve", inst["role"], "--config", str(self.config_path),
              "--instance-id", instance_id],
-            stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **self.env, **(env or {})},
+            stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env, **self.instance_env.get(instance_id, {}), **(env or {})},
             start_new_session=True)
         member = Member(instance_id, inst["role"], log_path, proc, log_file, offset)
         self.members[instance_id] = member

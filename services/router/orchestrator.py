@@ -72,8 +72,8 @@ class InFlight:
     tracker: OwnershipTracker
     attempt_id: str  # the request's id on the bus for the current attempt
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    emitted: list[int] = field(default_factory=list)  # every token id sent to the client
     flushed: list[int] = field(default_factory=list)  # every token id queued for the client (resume point)
+    sent: int = 0  # how many of them the client has been given
     meta: dict[str, Any] = field(default_factory=dict)
     p_cached: int = 0
     held: list[int] = field(default_factory=list)  # first token held back (first_token_after_kv)
@@ -199,26 +199,26 @@ class Orchestrator:
                     now = time.monotonic()
                     boundary = state.tracker.relay_until
                     if (item.token_ids and boundary is not None and last is not None
-                            and len(state.emitted) <= boundary + 1 < len(state.emitted) + len(item.token_ids)):
+                            and state.sent <= boundary + 1 < state.sent + len(item.token_ids)):
                         stall = now - last  # the gap in which ownership moved from the relay to MD
                         metrics.HANDOFF_STALL.observe(stall)
                         span.set_attribute("handoff_stall_ms", round(stall * 1000, 2))
                     if item.token_ids:
-                        if not state.emitted:
+                        if not state.sent:
                             metrics.TTFT.labels(route.pipeline).observe(now - arrival)
                             span.add_event("first_token")
                         elif last is not None:
                             metrics.ITL.labels(route.pipeline).observe(now - last)
                         last = now
-                        state.emitted.extend(item.token_ids)
-                        if len(state.emitted) <= 64:  # the stream's start: where eager tokens show (spans cap events)
-                            span.add_event("tokens", {"count": len(item.token_ids), "emitted": len(state.emitted),
+                        state.sent += len(item.token_ids)
+                        if state.sent <= 64:  # the stream's start: where eager tokens show (spans cap events)
+                            span.add_event("tokens", {"count": len(item.token_ids), "emitted": state.sent,
                                                       "relay_tokens": state.tracker.relay_tokens})
                     if item.finish_reason is not None:
                         finished = True
                         item.info = self._info(state)
                         self._record_finish(state, item.finish_reason, now - arrival)
-                        span.set_attributes({"output_tokens": len(state.emitted),
+                        span.set_attributes({"output_tokens": state.sent,
                                              "rld_tokens": state.tracker.relay_tokens})
                     yield item
                     if finished:
@@ -397,7 +397,7 @@ class Orchestrator:
                 "rld_tokens": state.tracker.relay_tokens}
         info.update(state.meta)
         if state.request.return_token_ids:
-            info["token_ids"] = list(state.emitted)
+            info["token_ids"] = list(state.flushed)  # at the finish, every queued token has been sent
         prompt = max(1, len(state.request.prompt_ids))
         info["p_hit_rate"] = round(state.p_cached / prompt, 4)
         if "md_cached_tokens" in info:
@@ -413,7 +413,7 @@ class Orchestrator:
             metrics.REQUEST_WAN_BYTES.observe(state.meta["wan_bytes"])
         metrics.E2E.labels(state.route.pipeline).observe(e2e)
         metrics.REQUESTS.labels(reason).inc()
-        metrics.GENERATED_TOKENS.inc(len(state.emitted))
+        metrics.GENERATED_TOKENS.inc(len(state.flushed))
         metrics.RLD_TOKENS.inc(state.tracker.relay_tokens)
 
     async def _on_event(self, message: Message, _: Envelope) -> None:
@@ -438,7 +438,7 @@ class Orchestrator:
                                             message.owner_until)
         tokens = emission.token_ids
         if self.config.router.first_token_after_kv and state.route.pipeline != "P-RLD" and not emission.finish_reason:
-            if len(tokens) == 1 and state.tracker.next_position == 1 and not state.emitted and not state.held:
+            if len(tokens) == 1 and state.tracker.next_position == 1 and not state.flushed and not state.held:
                 state.held = tokens  # conventional PD: the first token waits for the decoder's stream
                 return
         if state.held:
