@@ -4,8 +4,9 @@ Prefill: TTFT of requests that found the prefill engine idle = p0 + p_tok*new + 
 Decode: each request's mean inter-token time = d0 + d_seq*batch + d_ctx*kv_tokens, with batch and
 KV tokens averaged over its own decode window (reconstructed from every request's timestamps).
 Both are linear least squares: no search, no dependence on the figures being predicted.
-Optional (`service_noise`): the log-spread of idle prefill times (`p_sigma`), so that a noisy live
-system's TTFT tail can be predicted; the simulator draws mean-preserving lognormal service times.
+Optional (`service_noise`): the idle requests' TTFT relative to the fitted line, kept as a sample
+(`p_noise`, mean 1) that the simulator resamples as prefill service-time multipliers, so that a
+noisy live system's TTFT tail can be predicted without assuming a shape for it.
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0, first_token_from_pref
     prefill service time and no decode step is subtracted from p0. Without it (conventional P-D) the
     first token comes from the decoder's first step after the KV hand-over, and both are taken out.
 
-    `service_noise`: the log-spread of the idle requests' TTFT around the fitted line gives
-    `p_sigma` (OS scheduling and co-tenant noise; a deterministic service time has no tail).
+    `service_noise`: the idle requests' TTFT divided by the fitted line, normalised to mean 1, becomes
+    `p_noise` (OS scheduling and co-tenant noise; a deterministic service time has no tail). The
+    measured ratios are resampled rather than summarised by a lognormal: on a quiet machine they are
+    a tight core plus a few stragglers, which a lognormal's one sigma widens on both sides.
     """
     X_p, y_p, X_d, y_d = [], [], [], []
     for run in runs:
@@ -128,15 +131,17 @@ def fit(runs: Sequence[BenchRun], transfer_s: float = 0.0, first_token_from_pref
     d = _lstsq_nonneg(np.vstack(X_d), np.concatenate(y_d))
     Xp, yp = np.vstack(X_p), np.concatenate(y_p)
     p = _lstsq_nonneg(Xp, yp)
-    sigma = 0.0
+    noise: tuple[float, ...] = ()
     if service_noise:
         yhat = Xp @ p
         ok = (yhat > 0) & (yp > 0)
-        sigma = float(np.std(np.log(yp[ok] / yhat[ok]))) if ok.sum() > 2 else 0.0
+        if ok.sum() > 2:
+            ratio = yp[ok] / yhat[ok]
+            noise = tuple((ratio / ratio.mean()).tolist())
     first_step = 0.0 if first_token_from_prefill else (
         d[0] + d[1] + d[2] * float(np.mean(np.concatenate([r.prompt for r in runs]))))
     return CostModel(p0=max(0.0, p[0] - transfer_s - first_step), p_tok=p[1], p_attn=p[2],
-                     p_sigma=sigma,
+                     p_noise=noise,
                      d0=d[0], d_w=0.0, d_seq=d[1], d_ctx=d[2])
 
 

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--first-token-from-prefill", action="store_true",
                      help="the first token is streamed from the prefill instance (PDD), not the decoder")
     cal.add_argument("--service-noise", action="store_true",
-                     help="fit p_sigma: lognormal spread of prefill service time (gives TTFT a tail)")
+                     help="keep the measured spread of prefill service time (p_noise) so TTFT has its tail")
     cal.add_argument("--ttft-field", choices=("ttft", "ttfe"), default="ttft",
                      help="per-request TTFT column: first visible text (ttft) or first stream event (ttfe)")
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from .hardware import Chip, ModelSpec
 
 
@@ -19,7 +21,8 @@ class CostModel:
     p0: float = 0.02  # fixed cost of one prefill (scheduling, launch)
     p_tok: float = 1e-5  # per new prompt token (weights FLOPs)
     p_attn: float = 0.0  # per (new token x attended token) pair (attention FLOPs)
-    p_sigma: float = 0.0  # lognormal sigma of prefill service time (fitted live; 0 = deterministic)
+    # prefill service-time multipliers (mean 1) to resample: a live system's measured spread; () = none
+    p_noise: tuple[float, ...] = ()
     d0: float = 0.005  # fixed cost of one decode step
     d_w: float = 0.0  # reading all weights once (scaled by the touched share for MoE)
     d_seq: float = 0.0  # per sequence in the batch (compute)
@@ -48,8 +51,17 @@ class CostModel:
         """Extend-Decode: k known tokens in one pass cost about one step plus their FLOPs."""
         return self.step_time(batch + 1, ctx_tokens) + self.p_tok * tokens
 
+    @property
+    def p_sigma(self) -> float:
+        """Log-spread of the service-time multipliers (a one-number summary of `p_noise`)."""
+        return float(np.std(np.log(self.p_noise))) if self.p_noise else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Coefficients for display and JSON (the noise sample summarised by `p_sigma`)."""
+        out = asdict(self)
+        out.pop("p_noise")
+        out["p_sigma"] = self.p_sigma
+        return out
 
     def with_(self, **changes: Any) -> "CostModel":
         return replace(self, **changes)
@@ -59,7 +71,8 @@ def from_hardware(
     chip: Chip, chips: int, model: ModelSpec, mfu: float, mbu: float, mem_util: float,
     p0: float = 0.02, d0: float = 0.005,
 ) -> CostModel:
-    """Derive coefficients from datasheet numbers and utilisation assumptions (no fitting)."""
+    """Derive coefficients from datasheet numbers and utilisation assumptions (no fitting).
+    """
     peak = chips * chip.peak_tflops * 1e12 * mfu
     bw = chips * chip.mem_bw_tbs * 1e12 * mbu
     kv_bytes = chips * chip.mem_gb * 1e9 * mem_util - model.weight_bytes

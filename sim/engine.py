@@ -148,8 +148,8 @@ def simulate(inp: SimInput) -> SimResult:
     pc = inp.prefill
     new = (prompt - cached).astype(float)
     service = pc.p0 + pc.p_tok * new + pc.p_attn * new * (cached + new / 2)
-    if pc.p_sigma > 0:  # own stream: the other draws stay as they were
-        service = service * np.random.default_rng(inp.seed + 7919).lognormal(-0.5 * pc.p_sigma**2, pc.p_sigma, n)
+    if pc.p_noise:  # own stream: the other draws stay as they were
+        service = service * np.random.default_rng(inp.seed + 7919).choice(np.asarray(pc.p_noise), n)
     order_in = np.argsort(arrivals, kind="stable")
     pend = np.empty(n)
     free = [(0.0, i) for i in range(max(1, inp.n_prefill))]
