@@ -108,8 +108,10 @@ def _report(args: argparse.Namespace) -> int:
     console.print(f"goodput (req/s): {json.dumps(np_clean(d['goodput_rps']))}; "
                   f"vs naive cross-DC: {fmt(d['goodput_gain_vs_naive'])}; cost/token change: "
                   f"{fmt(d['cost_per_token_change'])}; BCR: {json.dumps(np_clean(d['bcr']))}")
-    console.print(f"TTFT p50/p90 (s): {json.dumps(np_clean(d['ttft_p50_p90_s']))}; "
-                  f"P50 TTFT reduction {fmt(d['p50_ttft_reduction'])}; PDD mix {d['pdd_pipeline_mix']}")
+    console.print(f"TTFT p50/p90/p99 (s, with the same-site offset of {d['ttft_offset_s']:.2f} s): "
+                  f"{json.dumps(np_clean(d['ttft_p50_p90_p99_s']))}; P50 TTFT reduction "
+                  f"{fmt(d['p50_ttft_reduction'])}; mean reduction without the offset "
+                  f"{fmt(d['ttft_reduction_without_offset'])}; PDD mix {d['pdd_pipeline_mix']}")
     console.print(f"hardware cost change for B at +20%..+30%: {fmt(d['hw_cost_change_b_price_range'])}")
 
     plot_ttft_cdf({k: r.ttft for k, r in rep._results.items()}, out_dir / "sim_ttft_cdf.png",
@@ -140,7 +142,8 @@ def _report(args: argparse.Namespace) -> int:
         st.add_row("(nominal)", "", *(fmt(base[f]) for f in FIGURES))
         for row in rows:
             value = row["value"]
-            shown = "/".join(f"{v:g}" for v in value) if isinstance(value, tuple) else str(value)
+            shown = ("/".join(f"{v:g}" for v in value) if isinstance(value, tuple)
+                     else value.get("name", "?") if isinstance(value, dict) else str(value))
             st.add_row(row["param"], shown, *(fmt(row[f]) for f in FIGURES))
         console.print(st)
     result = {f: figs[f] for f in FIGURES}

@@ -72,8 +72,14 @@ def from_hardware(
     p0: float = 0.02, d0: float = 0.005,
 ) -> CostModel:
     """Derive coefficients from datasheet numbers and utilisation assumptions (no fitting).
+
+    Attention runs at its own precision's peak (serving stacks keep it in BF16 while the GEMMs run
+    in FP8). A decode step reads each context token's KV once and does the decode kernel's FLOPs on
+    it; whichever takes longer sets the per-token cost (roofline), so a chip with much bandwidth but
+    little compute can be compute-bound in decode attention.
     """
     peak = chips * chip.peak_tflops * 1e12 * mfu
+    attn_peak = chips * chip.attn_tflops * 1e12 * mfu
     bw = chips * chip.mem_bw_tbs * 1e12 * mbu
     kv_bytes = chips * chip.mem_gb * 1e9 * mem_util - model.weight_bytes
     if kv_bytes <= 0:
@@ -84,11 +90,11 @@ def from_hardware(
     return CostModel(
         p0=p0,
         p_tok=model.flops_per_token / peak,
-        p_attn=model.attn_flops_per_pair / peak,
+        p_attn=model.attn_flops_per_pair / attn_peak,
         d0=d0,
         d_w=model.weight_bytes / bw,
         d_seq=model.flops_per_token / peak,
-        d_ctx=model.kv_bytes_per_token / bw,
+        d_ctx=max(model.kv_bytes_per_token / bw, model.decode_attn_flops_per_pair / attn_peak),
         kv_capacity_tokens=int(kv_bytes / model.kv_bytes_per_token),
         experts=model.experts,
         experts_active=model.experts_active,

@@ -142,6 +142,9 @@ def simulate(inp: SimInput) -> SimResult:
     wan = inp.wan
     jitter = (rng.lognormal(-0.5 * wan.jitter_sigma**2, wan.jitter_sigma, n) if wan and wan.jitter_sigma > 0
               else np.ones(n))
+    # a large transfer's time varies with the throughput it gets (median = the per-flow rate)
+    tput = (np.random.default_rng(inp.seed + 104729).lognormal(0.0, wan.throughput_sigma, n)
+            if wan and wan.throughput_sigma > 0 else np.ones(n))
     pol = inp.policy
 
     # --- prefill: FIFO per instance, join the earliest-free instance ---------------------------
@@ -166,7 +169,7 @@ def simulate(inp: SimInput) -> SimResult:
     # --- per-request state (plain lists: fastest in CPython) ----------------------------------
     prompt_l, cached_l, out_l = prompt.tolist(), cached.tolist(), output.tolist()
     md_cached_l = (np.floor(cached * inp.drc_alignment).astype(np.int64) if inp.drc else np.zeros(n, np.int64)).tolist()
-    jit_l = jitter.tolist()
+    jit_l, tput_l = jitter.tolist(), tput.tolist()
     first = [math.nan] * n
     finish = [math.nan] * n
     ok = [False] * n
@@ -332,7 +335,7 @@ def simulate(inp: SimInput) -> SimResult:
         nonlocal wan_bytes
         t_free = heappop(wan_flows)
         begin = ready if ready > t_free else t_free
-        end = begin + (wan.setup_s + nbytes / flow_bps) * jit_l[rid]
+        end = begin + wan.setup_s * jit_l[rid] + nbytes / flow_bps * tput_l[rid]
         heappush(wan_flows, end)
         wan_bytes += nbytes
         return end

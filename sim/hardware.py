@@ -16,6 +16,11 @@ class Chip:
     mem_bw_tbs: float
     interconnect_gbs: float  # scale-up (NVLink-class) bandwidth per chip, GB/s
     price: float = 1.0
+    attn_peak_tflops: float = 0.0  # dense peak at the attention precision (0 = peak_tflops)
+
+    @property
+    def attn_tflops(self) -> float:
+        return self.attn_peak_tflops or self.peak_tflops
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,8 @@ class ModelSpec:
     kv_bytes_per_token: float
     active_params: float  # parameters touched per token (MoE: shared + routed active)
     weight_bytes: float  # resident weight bytes per instance
-    attn_flops_per_pair: float = 0.0  # FLOPs per (query token, key token) pair, all layers
+    attn_flops_per_pair: float = 0.0  # prefill: FLOPs per (query token, key token) pair, all layers
+    decode_attn_flops_per_pair: float = 0.0  # decode: the same per pair, in the decode kernel's form
     experts: int = 0  # routed experts per layer (0 = dense)
     experts_active: int = 0
     expert_weight_fraction: float = 0.0  # share of weight_bytes that is routed experts
@@ -52,7 +58,8 @@ class WanLink:
     per_flow_gbps: float = 10.0  # effective throughput of one KV transfer
     setup_s: float = 0.18  # per-transfer fixed cost (handshake, slow start, registration)
     latency_s: float = 0.015  # one-way latency for small control messages (token ids, "ready")
-    jitter_sigma: float = 0.5  # lognormal sigma of the per-transfer time multiplier
+    jitter_sigma: float = 0.5  # lognormal sigma of the setup-time multiplier (mean kept)
+    throughput_sigma: float = 0.0  # lognormal sigma of the payload-time multiplier (median 1)
 
     @property
     def flows(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,7 @@ def stage_capacity(inp: SimInput) -> dict[str, float]:
     ctx = batch * float((inp.prompt + inp.output / 2).mean())
     cap["decode"] = inp.n_decode * batch / (d.step_time(batch, ctx) * float(inp.output.mean()))
     if inp.wan is not None and inp.kind == "naive":
-        mean_t = inp.wan.setup_s + float(inp.prompt.mean()) * inp.kv_bytes_per_token / inp.wan.flow_bytes_per_s
+        payload_s = float(inp.prompt.mean()) * inp.kv_bytes_per_token / inp.wan.flow_bytes_per_s
+        mean_t = inp.wan.setup_s + payload_s * math.exp(inp.wan.throughput_sigma**2 / 2)  # lognormal mean
         cap["wan"] = inp.wan.flows / mean_t
     return cap
