@@ -10,6 +10,7 @@ from pdd.kernels.attention import (
     paged_attention,
     write_kv,
 )
+from pdd.kernels.linear import Linear
 from pdd.kernels.norm import rms_norm
 from pdd.kernels.rotary import RotaryEmbedding, apply_rotary
 
@@ -18,6 +19,7 @@ __all__ = [
     "build_attention_metadata",
     "paged_attention",
     "write_kv",
+    "Linear",
     "rms_norm",
     "RotaryEmbedding",
     "apply_rotary",

@@ -4,10 +4,8 @@ One class covers the family; the differences are flags in ModelConfig (qkv bias,
 tied embeddings). Weights are repacked at load time: q/k/v into one matrix and gate/up into
 one, so a layer is four GEMMs plus attention (fewer kernel launches, better GEMM shapes).
 
-Projection weights are stored transposed, ``[in_features, out_features]`` contiguous, and applied
-with ``torch.mm``/``addmm`` (``x @ W_t``). With MKL on this class of CPU the non-transposed-B
-layout is markedly faster for decode-sized GEMMs (M = 1: ~1.6x, lm_head ~2x) and on par for
-large M. The o and down projections fuse the residual add into the GEMM (``addmm`` with beta 1).
+Projections are `pdd.kernels.Linear`: oneDNN-packed weights on CPU where available, else a
+transposed weight for ``torch.mm``. The o and down projections fuse the residual add into the GEMM.
 """
 
 from __future__ import annotations
@@ -17,29 +15,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdd.kernels import AttentionMetadata, RotaryEmbedding, apply_rotary, paged_attention, rms_norm
+from pdd.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, paged_attention, rms_norm
 from pdd.shared.engine.config import ModelConfig
 
 
 @dataclass
 class LayerWeights:
-    """Projection matrices are transposed: [in_features, out_features], contiguous."""
-
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-
-def _t(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> contiguous [in, out] (the layout torch.mm(x, w) wants)."""
-    return weight.t().contiguous()
+    gate_up: Linear
+    down: Linear
 
 
 class CausalLM:
@@ -60,29 +49,27 @@ class CausalLM:
         self.embed = w("model.embed_tokens.weight")
         self.final_norm = w("model.norm.weight")
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.lm_head = _t(w("lm_head.weight"))  # [hidden, vocab]
+            self.lm_head = Linear(w("lm_head.weight"))
         else:
-            self.lm_head = _t(self.embed)  # tied: a transposed copy (embedding lookup keeps [vocab, hidden])
+            self.lm_head = Linear(self.embed)  # tied: its own copy (the embedding lookup keeps [vocab, hidden])
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv = _t(torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
-                                w(p + "self_attn.v_proj.weight")], dim=0))
+            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                             w(p + "self_attn.v_proj.weight")], dim=0)
             bias = None
             if config.qkv_bias:
                 bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
                                   w(p + "self_attn.v_proj.bias")]).contiguous()
             self.layers.append(LayerWeights(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=qkv,
-                qkv_bias=bias,
-                o=_t(w(p + "self_attn.o_proj.weight")),
-                o_bias=opt(p + "self_attn.o_proj.bias"),
+                qkv=Linear(qkv, bias),
+                o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
                 q_norm=opt(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=opt(p + "self_attn.k_norm.weight") if config.qk_norm else None,
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=_t(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)),
-                down=_t(w(p + "mlp.down_proj.weight")),
+                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)),
+                down=Linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
@@ -108,11 +95,7 @@ class CausalLM:
         hidden = self.embed.index_select(0, input_ids)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = rms_norm(hidden, layer.input_norm, eps)
-            if layer.qkv_bias is None:
-                qkv = torch.mm(x, layer.qkv)
-            else:
-                qkv = torch.addmm(layer.qkv_bias, x, layer.qkv)
-            qkv = qkv.view(num_tokens, hq + 2 * hkv, dim)
+            qkv = layer.qkv(x).view(num_tokens, hq + 2 * hkv, dim)
             v = qkv[:, hq + hkv :]
             if layer.q_norm is not None:
                 q = apply_rotary(rms_norm(qkv[:, :hq], layer.q_norm, eps), cos, sin)
@@ -121,16 +104,13 @@ class CausalLM:
                 qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)
                 q, k = qk[:, :hq], qk[:, hq:]
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            if layer.o_bias is None:
-                hidden = torch.addmm(hidden, attn, layer.o)  # residual fused: hidden + attn @ o
-            else:
-                hidden = hidden + torch.addmm(layer.o_bias, attn, layer.o)
+            hidden = layer.o.add_to(hidden, attn)
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate_up = torch.mm(x, layer.gate_up)
+            gate_up = layer.gate_up(x)
             act = F.silu(gate_up[:, :inter])
             act.mul_(gate_up[:, inter:])
-            hidden = torch.addmm(hidden, act, layer.down)
+            hidden = layer.down.add_to(hidden, act)
         if logits_rows.shape[0] != num_tokens:
             hidden = hidden.index_select(0, logits_rows)
         hidden = rms_norm(hidden, self.final_norm, eps)
-        return torch.mm(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
