@@ -75,6 +75,9 @@ def test_discovery_and_kill9_detection(two_services):
 
 def test_sigterm_drains_and_leaves_the_registry_at_once(two_services):
     a, b = two_services
+    # startup objects (modules, config, model) are frozen out of the collector: no full-GC pauses
+    # over them while serving, no final collection over them at exit
+    assert b.wait_log("service_ready")["gc_frozen_objects"] > 10_000
     assert b.stop() == 0
     assert "service_stopped" in b.log()
     # the 'stopped' announce removes it before any heartbeat could be missed
