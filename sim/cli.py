@@ -143,7 +143,8 @@ def _report(args: argparse.Namespace) -> int:
         for row in rows:
             value = row["value"]
             shown = ("/".join(f"{v:g}" for v in value) if isinstance(value, tuple)
-                     else value.get("name", "?") if isinstance(value, dict) else str(value))
+                     else value.get("name") or ",".join(f"{k}={v}" for k, v in value.items())
+                     if isinstance(value, dict) else str(value))
             st.add_row(row["param"], shown, *(fmt(row[f]) for f in FIGURES))
         console.print(st)
     result = {f: figs[f] for f in FIGURES}

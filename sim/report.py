@@ -36,7 +36,7 @@ SENSITIVITY: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("comparison.same_site_ttft_p50_s", (0.0,)),
     ("chips.B", (H20_CLASS,)),
     ("model.decode_attn_flops_per_pair", (0.0,)),
-    ("systems.baseline.chips_per_instance", (16,)),
+    ("systems.baseline.chips_per_instance", (16, {"prefill": 8, "decode": 16})),
     ("systems.pdd.first_token_from_prefill", (True,)),
     ("systems.pdd.drc_alignment", (0.9,)),
     ("policy.wan_masking_threshold_s", (0.1, 1.0)),

@@ -97,19 +97,27 @@ class Scenario:
             cfg = replace(cfg, num_requests=n or cfg.num_requests, seed=cfg.seed if seed is None else seed)
         return agentic_arrays(cfg)
 
+    def instance_chips(self, name: str, role: str) -> int:
+        """Chips per instance of a role: `chips_per_instance` is one number or a per-role mapping
+        (e.g. 8-chip prefill and 16-chip decode instances, sized for compute and KV memory)."""
+        per = self.system(name).get("chips_per_instance", 8)
+        return int(per.get(role, 8) if isinstance(per, dict) else per)
+
     def sim_input(self, name: str, split: dict[str, int], rate: float, wl: Workload,
                   unit_arrivals: np.ndarray, seed: int = 0, record_itl: bool = True) -> SimInput:
         """One system with a given role split at an offered rate (arrivals = unit-rate times / rate)."""
         s = self.system(name)
-        per = int(s.get("chips_per_instance", 8))
         roles = s["roles"]
+        per = {role: self.instance_chips(name, role) for role in roles}
         relay = roles.get("relay")
         rdma = self.raw.get("rdma", {})
         return SimInput(
             arrivals=unit_arrivals / rate, prompt=wl.prompt, cached=wl.cached, output=wl.output,
-            prefill=self.cost_model(roles["prefill"], per), decode=self.cost_model(roles["decode"], per),
+            prefill=self.cost_model(roles["prefill"], per["prefill"]),
+            decode=self.cost_model(roles["decode"], per["decode"]),
             n_prefill=split["prefill"], n_decode=split["decode"], kv_bytes_per_token=self.model.kv_bytes_per_token,
-            kind=s["kind"], relay=self.cost_model(relay, per) if relay else None, n_relay=split.get("relay", 0),
+            kind=s["kind"], relay=self.cost_model(relay, per["relay"]) if relay else None,
+            n_relay=split.get("relay", 0),
             wan=self.wan if s["kind"] != "local" else None,
             rdma_gbps=rdma.get("gbps", 3200.0), rdma_setup_s=rdma.get("setup_s", 0.02),
             drc=bool(s.get("drc", True)), drc_alignment=float(s.get("drc_alignment", 1.0)),
@@ -123,19 +131,23 @@ class Scenario:
         fixed = s.get("split")
         if fixed:
             return [dict(fixed)]
-        per = int(s.get("chips_per_instance", 8))
         roles = s["roles"]
-        by_chip: dict[str, int] = {c: n // per for c, n in s["chips"].items()}
+        per = {role: self.instance_chips(name, role) for role in roles}
+        chips: dict[str, int] = dict(s["chips"])
         out = []
         if roles["prefill"] == roles["decode"] and "relay" not in roles:
-            total = by_chip[roles["prefill"]]
-            out = [{"prefill": p, "decode": total - p} for p in range(1, total)]
+            total = chips[roles["prefill"]]
+            out = [{"prefill": p, "decode": (total - p * per["prefill"]) // per["decode"]}
+                   for p in range(1, total // per["prefill"] + 1)]
         elif "relay" in roles and roles["relay"] == roles["prefill"]:
-            total = by_chip[roles["prefill"]]
-            out = [{"prefill": total - r, "relay": r, "decode": by_chip[roles["decode"]]} for r in range(1, total)]
+            total = chips[roles["prefill"]]
+            out = [{"prefill": (total - r * per["relay"]) // per["prefill"], "relay": r,
+                    "decode": chips[roles["decode"]] // per["decode"]} for r in range(1, total // per["relay"] + 1)]
         else:
-            out = [{"prefill": by_chip[roles["prefill"]], "decode": by_chip[roles["decode"]]}]
-        return out
+            out = [{"prefill": chips[roles["prefill"]] // per["prefill"],
+                    "decode": chips[roles["decode"]] // per["decode"]}]
+        # every role needs at least one instance
+        return [sp for sp in out if all(v >= 1 for v in sp.values())]
 
 
 def unit_poisson(n: int, seed: int, burstiness: float = 1.0) -> np.ndarray:

@@ -10,7 +10,7 @@ from pdd.sim.costmodel import from_hardware
 from pdd.sim.engine import SimInput, simulate
 from pdd.sim.hardware import Chip, ModelSpec, WanLink
 from pdd.sim.report import Reproduction
-from pdd.sim.scenario import load_yaml, set_path
+from pdd.sim.scenario import Scenario, load_yaml, set_path
 
 MODEL = ModelSpec(name="m", layers=10, kv_bytes_per_token=50_000, active_params=1e10, weight_bytes=1e11,
                   attn_flops_per_pair=1e6, decode_attn_flops_per_pair=4e6)
@@ -66,3 +66,17 @@ def test_same_site_anchor_adds_the_missing_ttft_to_every_system():
     # a common delay dilutes the relative gain, never reverses it
     assert 0 < anchored["ttft_reduction"] < plain["ttft_reduction"]
     assert d["ttft_reduction_without_offset"] == pytest.approx(plain["ttft_reduction"])
+
+
+def test_per_role_instance_sizes():
+    data = set_path(load_yaml("report"), "systems.baseline.chips_per_instance", {"prefill": 8, "decode": 16})
+    scn = Scenario.from_dict(data)
+    splits = scn.splits("baseline")
+    assert splits and all(sp["prefill"] * 8 + sp["decode"] * 16 <= 88 for sp in splits)
+    assert all(sp["prefill"] >= 1 and sp["decode"] >= 1 for sp in splits)
+    wl = scn.arrays(50)
+    inp = scn.sim_input("baseline", splits[0], 1.0, wl, np.arange(50.0))
+    eight = scn.cost_model("A", 8)
+    # weights are paid once per instance: a 16-chip instance keeps far more than twice the KV of an 8-chip one
+    assert inp.decode.kv_capacity_tokens > 2 * eight.kv_capacity_tokens
+    assert inp.prefill.kv_capacity_tokens == eight.kv_capacity_tokens
