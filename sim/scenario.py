@@ -100,8 +100,15 @@ class Scenario:
     def instance_chips(self, name: str, role: str) -> int:
         """Chips per instance of a role: `chips_per_instance` is one number or a per-role mapping
         (e.g. 8-chip prefill and 16-chip decode instances, sized for compute and KV memory)."""
-        per = self.system(name).get("chips_per_instance", 8)
-        return int(per.get(role, 8) if isinstance(per, dict) else per)
+        s = self.system(name)
+        per = s.get("chips_per_instance", 8)
+        if isinstance(per, dict):
+            unknown = set(per) - set(s["roles"])
+            if unknown:
+                raise ValueError(f"system {name!r}: chips_per_instance names roles it does not have: "
+                                 f"{sorted(unknown)}; roles: {sorted(s['roles'])}")
+            return int(per.get(role, 8))
+        return int(per)
 
     def sim_input(self, name: str, split: dict[str, int], rate: float, wl: Workload,
                   unit_arrivals: np.ndarray, seed: int = 0, record_itl: bool = True) -> SimInput:

@@ -80,3 +80,6 @@ def test_per_role_instance_sizes():
     # weights are paid once per instance: a 16-chip instance keeps far more than twice the KV of an 8-chip one
     assert inp.decode.kv_capacity_tokens > 2 * eight.kv_capacity_tokens
     assert inp.prefill.kv_capacity_tokens == eight.kv_capacity_tokens
+    typo = set_path(load_yaml("report"), "systems.baseline.chips_per_instance", {"decoder": 16})
+    with pytest.raises(ValueError, match="decoder"):
+        Scenario.from_dict(typo).splits("baseline")
