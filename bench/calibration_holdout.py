@@ -81,15 +81,11 @@ WORKLOADS = (
 
 
 def cluster_config(model: str, wan_rate: str, wan_delay: str) -> dict[str, Any]:
+    from pdd.services.local_cluster import two_site_layout
+
     return {
         "model": {"path": model, "kv_memory_mb": 16, "block_size": 16, "max_num_seqs": 32, "threads": 1},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [
-            {"id": "router-0", "role": "router", "site": "site-a"},
-            {"id": "p-0", "role": "prefill", "site": "site-a"},
-            {"id": "rld-0", "role": "relay", "site": "site-a"},
-            {"id": "md-0", "role": "decode", "site": "site-b"},
-        ],
+        **two_site_layout(),
         "transports": {
             "fast": {"name": "zmq"},
             "wan": {"name": "zmq", "options": {"streams": 2, "shape": {"rate": wan_rate, "delay": wan_delay}}},

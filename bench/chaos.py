@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from pdd.services.local_cluster import LocalCluster
+from pdd.services.local_cluster import LocalCluster, two_site_layout
 from pdd.transports import ucx_available
 
 SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut", "stop_p")
@@ -59,16 +59,7 @@ def build_config(args: argparse.Namespace, run_dir: Path) -> dict:
     return {
         "model": {"path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16, "max_num_seqs": 64,
                   "threads": 1},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [
-            {"id": "router-0", "role": "router", "site": "site-a"},
-            {"id": "p-0", "role": "prefill", "site": "site-a"},
-            {"id": "p-1", "role": "prefill", "site": "site-a"},
-            {"id": "rld-0", "role": "relay", "site": "site-a"},
-            {"id": "rld-1", "role": "relay", "site": "site-a"},
-            {"id": "md-0", "role": "decode", "site": "site-b"},
-            {"id": "md-1", "role": "decode", "site": "site-b"},
-        ],
+        **two_site_layout(prefill=2, relay=2, decode=2),
         "transports": {
             "fast": {"name": fast, "options": {}},
             "wan": {"name": "zmq", "options": {"streams": 2, "shape": {

@@ -45,7 +45,7 @@ SETUPS = ("colocated", "naive", "pdd")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: 46,080 B/token
 
 from pdd.loadgen.workload import WORDS as _WORDS  # noqa: E402  (one-token English words)
-from pdd.services.local_cluster import LocalCluster  # noqa: E402
+from pdd.services.local_cluster import LocalCluster, two_site_layout  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,13 +87,7 @@ class System:
         return {
             "model": {"path": a.model, "kv_memory_mb": a.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
                       "threads": a.threads, "max_prefill_tokens": 2048},
-            "sites": [{"name": "site-a"}, {"name": "site-b"}],
-            "instances": [
-                {"id": "router-0", "role": "router", "site": "site-a"},
-                {"id": "p-0", "role": "prefill", "site": "site-a"},
-                {"id": "rld-0", "role": "relay", "site": "site-a"},
-                {"id": "md-0", "role": "decode", "site": "site-a" if self.name == "colocated" else "site-b"},
-            ],
+            **two_site_layout(decode_site="site-a" if self.name == "colocated" else "site-b"),
             "transports": {"fast": {"name": fast, "options": {}}, "wan": {"name": "zmq", "options": wan_opts}},
             # the baselines are conventional PD: the client's first token waits for the decoder's KV
             "router": {"request_timeout_s": 600, "first_token_after_kv": self.name != "pdd"},

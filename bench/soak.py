@@ -94,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_config(args: argparse.Namespace, model_path: str) -> dict:
+    from pdd.services.local_cluster import two_site_layout
+
     wan_opts: dict[str, Any] = {"streams": 2}
     if args.wan_rate or args.wan_delay:
         shape: dict[str, Any] = {"delay": args.wan_delay or "0ms", "jitter": args.wan_jitter or "0ms",
@@ -105,13 +107,7 @@ def cluster_config(args: argparse.Namespace, model_path: str) -> dict:
     return {
         "model": {"path": model_path, "kv_memory_mb": args.kv_memory_mb, "block_size": 16,
                   "max_num_seqs": args.max_num_seqs, "threads": args.threads},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [
-            {"id": "router-0", "role": "router", "site": "site-a"},
-            {"id": "p-0", "role": "prefill", "site": "site-a"},
-            {"id": "rld-0", "role": "relay", "site": "site-a"},
-            {"id": "md-0", "role": "decode", "site": "site-b"},
-        ],
+        **two_site_layout(),
         "transports": {"fast": {"name": args.fast, "options": {}}, "wan": {"name": "zmq", "options": wan_opts}},
         "router": {"request_timeout_s": args.request_timeout},
         "policy": policy,

@@ -24,6 +24,18 @@ import yaml
 from pdd.shared.natsserver import NatsServer, free_port, start_nats_server
 
 
+def two_site_layout(prefill: int = 1, relay: int = 1, decode: int = 1, decode_site: str = "site-b") -> dict:
+    """The `sites` and `instances` of a config: router-0, P (p-N) and relays (rld-N) at site-a, main
+    decoders (md-N) at `decode_site` — the smallest system in which every pipeline runs."""
+    roles = (("p", "prefill", prefill, "site-a"), ("rld", "relay", relay, "site-a"),
+             ("md", "decode", decode, decode_site))
+    return {
+        "sites": [{"name": "site-a"}, {"name": "site-b"}],
+        "instances": [{"id": "router-0", "role": "router", "site": "site-a"}]
+        + [{"id": f"{prefix}-{i}", "role": role, "site": site} for prefix, role, n, site in roles for i in range(n)],
+    }
+
+
 def http_json(url: str, timeout: float = 2.0) -> tuple[int, Any]:
     """(status, parsed body); status 0 when nothing answered."""
     try:

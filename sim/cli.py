@@ -118,12 +118,14 @@ def _report(args: argparse.Namespace) -> int:
                   title=f"Simulated TTFT at {d['comparison_rate_rps']:.2f} req/s")
     scn = rep.scn
     hits = np.linspace(0.0, 1.0, 41)
-    per = 8
+    roles = scn.system("pdd")["roles"]  # the bathtub prices PDD's own prefill and decode instances
+    chip_p, chip_d = roles["prefill"], roles["decode"]
+    per_p, per_d = scn.instance_chips("pdd", "prefill"), scn.instance_chips("pdd", "decode")
+    pre, dec = scn.cost_model(chip_p, per_p), scn.cost_model(chip_d, per_d)
     curves = {}
     for disc in (0.10, 0.25):
         prices = {"input": 0.60, "cached_input": 0.60 * disc, "output": 2.50}
-        dec = scn.cost_model("B", per)
-        b_in = BathtubInputs(scn.cost_model("A", per), dec, scn.chips["A"].price * per, scn.chips["B"].price * per,
+        b_in = BathtubInputs(pre, dec, scn.chips[chip_p].price * per_p, scn.chips[chip_d].price * per_d,
                              scn.workload.context_tokens, scn.workload.output_tokens,
                              decode_batch=dec.kv_capacity_tokens / (scn.workload.context_tokens + scn.workload.output_tokens))
         curves[f"cached input billed at {disc:.0%}"] = bathtub(b_in, hits, prices)

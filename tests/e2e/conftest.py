@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pdd.services.local_cluster import two_site_layout
 from pdd.shared.natsserver import free_port
 from pdd.transports import ucx_available
 from tests.helpers import ServiceProcess, write_config
@@ -59,13 +60,7 @@ def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None
     config = {
         "model": {"path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32, "threads": 1},
         "nats": {"url": nats_url},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [
-            {"id": "router-0", "role": "router", "site": "site-a"},
-            {"id": "p-0", "role": "prefill", "site": "site-a"},
-            {"id": "rld-0", "role": "relay", "site": "site-a"},
-            {"id": "md-0", "role": "decode", "site": "site-b"},
-        ],
+        **two_site_layout(),
         "transports": {
             "fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
             "wan": {"name": "zmq", "options": {"streams": 2, **(wan_options or {})}},

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from pdd.services.local_cluster import LocalCluster, http_json
+from pdd.services.local_cluster import LocalCluster, http_json, two_site_layout
 
 pytestmark = pytest.mark.slow  # a full system start plus a 40 s deadline: well over 30 s on 2 cores
 
@@ -35,11 +35,7 @@ PIPELINES = ["P-MD", "P-RLD-MD", "P-RLD"]
 def _config(model: str, run_dir) -> dict:
     return {
         "model": {"path": str(model), "kv_memory_mb": 16, "block_size": 16, "max_num_seqs": 32, "threads": 1},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [{"id": "router-0", "role": "router", "site": "site-a"},
-                      {"id": "p-0", "role": "prefill", "site": "site-a"},
-                      {"id": "rld-0", "role": "relay", "site": "site-a"},
-                      {"id": "md-0", "role": "decode", "site": "site-b"}],
+        **two_site_layout(),
         "transports": {"fast": {"name": "zmq"}, "wan": {"name": "zmq", "options": {"streams": 2}}},
         "router": {"request_timeout_s": REQUEST_TIMEOUT_S},
         "service": {"heartbeat_ms": 500, "missed_heartbeats": 6, "drain_timeout_s": 5},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.services.local_cluster import LocalCluster
+from pdd.services.local_cluster import LocalCluster, two_site_layout
 
 ROUTER = "router-0"
 ENGINES = ("p-0", "rld-0", "md-0")
@@ -21,11 +21,7 @@ MAX_BODY_BYTES = 256 * 1024  # small, so oversize bodies are cheap to send
 def cluster_config(model: str) -> dict:
     return {
         "model": {"path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32, "threads": 1},
-        "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [{"id": ROUTER, "role": "router", "site": "site-a"},
-                      {"id": "p-0", "role": "prefill", "site": "site-a"},
-                      {"id": "rld-0", "role": "relay", "site": "site-a"},
-                      {"id": "md-0", "role": "decode", "site": "site-b"}],
+        **two_site_layout(),
         "transports": {"fast": {"name": "zmq"}, "wan": {"name": "zmq", "options": {"streams": 2}}},
         "router": {"request_timeout_s": 60, "max_body_bytes": MAX_BODY_BYTES},
         "service": {"heartbeat_ms": 500, "missed_heartbeats": 6, "drain_timeout_s": 5},

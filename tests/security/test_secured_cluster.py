@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import yaml
 
-from pdd.services.local_cluster import LocalCluster
+from pdd.services.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.bus import Bus
 from pdd.shared.config import NatsConfig
 from pdd.shared.natsserver import ServerTLS, start_nats_server
@@ -24,10 +24,7 @@ from tests.helpers import ServiceProcess
 from tests.security.test_nats_auth import request_retrying
 
 PASSWORD = "pw-9d2c41e7"
-INSTANCES = [{"id": "router-0", "role": "router", "site": "site-a"},
-             {"id": "p-0", "role": "prefill", "site": "site-a"},
-             {"id": "rld-0", "role": "relay", "site": "site-a"},
-             {"id": "md-0", "role": "decode", "site": "site-b"}]
+INSTANCES = two_site_layout()["instances"]
 
 
 def _config(model: str, pki) -> dict:
