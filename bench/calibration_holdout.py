@@ -3,7 +3,7 @@
 Issue #7 acceptance: "Live vs simulated TTFT p50/p90 within ±20% on a calibration hold-out run
 (tiny model, emulated WAN)".
 
-What runs (real processes, services/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
+What runs (real processes, services/launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
 at site-a and main decode (MD) at site-b, on a tiny seeded model (or ``--model PATH``), one torch
 thread each. The WAN transport is zmq behind the in-process shaper (``--wan-rate``/``--wan-delay``).
 `pdd bench` (loadgen, called in-process) drives it open loop (Poisson arrivals, so TTFT includes
@@ -81,7 +81,7 @@ WORKLOADS = (
 
 
 def cluster_config(model: str, wan_rate: str, wan_delay: str) -> dict[str, Any]:
-    from pdd.services.local_cluster import two_site_layout
+    from pdd.services.launch.local_cluster import two_site_layout
 
     return {
         "model": {"path": model, "kv_memory_mb": 16, "block_size": 16, "max_num_seqs": 32, "threads": 1},
@@ -166,10 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from pdd.shared.engine.tiny import build_tiny_checkpoint
+        from pdd.engine.tiny import build_tiny_checkpoint
 
         model = build_tiny_checkpoint(out / "model", seed=args.seed, max_position_embeddings=2048)
-    from pdd.services.local_cluster import LocalCluster
+    from pdd.services.launch.local_cluster import LocalCluster
 
     paths: dict[str, Path] = {}
     machine: dict[str, Any] = {}

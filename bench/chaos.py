@@ -35,8 +35,11 @@ from typing import Any
 
 import aiohttp
 
-from pdd.services.local_cluster import LocalCluster, two_site_layout
-from pdd.transports import ucx_available
+from pdd.loadgen.client import Chunk, Stream, stream
+from pdd.loadgen.scrape import samples_of, scrape_sync
+from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.shared.pipelines import Pipeline
+from pdd.shared.roles import Role
 
 SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut", "stop_p")
 DEFAULT_SCENARIOS = SCENARIOS[:4]  # the issue's four; stop_p checks the retry path (no token out yet)
@@ -55,11 +58,13 @@ class Outcome:
 
 
 def build_config(args: argparse.Namespace, run_dir: Path) -> dict:
+    from pdd.transports import ucx_available
+
     fast = "ucx" if ucx_available() else "zmq"
     return {
         "model": {"path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16, "max_num_seqs": 64,
                   "threads": 1},
-        **two_site_layout(prefill=2, relay=2, decode=2),
+        **two_site_layout(prefill=2, relay=2, main_decode=2),
         "transports": {
             "fast": {"name": fast, "options": {}},
             "wan": {"name": "zmq", "options": {"streams": 2, "shape": {
@@ -86,33 +91,25 @@ async def stream_one(session: aiohttp.ClientSession, base_url: str, index: int, 
         body["pdd"]["pipeline"] = pipeline
     out = Outcome(index)
     await asyncio.sleep(start_delay)
-    try:
-        async with asyncio.timeout(deadline_s + HANG_GRACE_S):
-            async with session.post(base_url + "/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    out.error = f"http {resp.status}: {(await resp.text())[:200]}"
-                    return out
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    if "error" in chunk:
-                        out.error = str(chunk["error"].get("code") or chunk["error"])
-                        return out
-                    for choice in chunk.get("choices", []):
-                        if choice.get("text"):
-                            out.streamed += 1
-                            progress[index] = out.streamed
-                        if choice.get("finish_reason"):
-                            out.finish_reason = choice["finish_reason"]
-                    if chunk.get("pdd"):
-                        out.info = chunk["pdd"]
-                        out.tokens = list(chunk["pdd"].get("token_ids") or [])
-    except TimeoutError:
+
+    def on_chunk(s: Stream, _: Chunk) -> None:
+        out.streamed = progress[index] = s.streamed_tokens
+
+    s = await stream(session, base_url + "/v1/completions", body, timeout_s=deadline_s + HANG_GRACE_S,
+                     on_chunk=on_chunk)
+    out.finish_reason = s.finish_reason
+    out.info = s.info
+    out.tokens = s.token_ids
+    if s.timed_out:
         out.hung = True
-    except (aiohttp.ClientError, ValueError) as exc:
-        out.error = f"{type(exc).__name__}: {exc}"
+    elif s.exception is not None:
+        if not isinstance(s.exception, (aiohttp.ClientError, ValueError)):
+            raise s.exception
+        out.error = f"{type(s.exception).__name__}: {s.exception}"
+    elif s.status != 200:
+        out.error = f"http {s.status}: {s.body_text[:200]}"
+    elif s.error is not None:
+        out.error = str((s.error.get("code") if isinstance(s.error, dict) else None) or s.error)
     if out.finish_reason is None and out.error is None and not out.hung:
         out.error = "stream ended without a finish"
     return out
@@ -154,13 +151,11 @@ def wait_busy(cluster: LocalCluster, role: str, in_flight: int, timeout: float =
 
 
 def links_down(cluster: LocalCluster) -> list[str]:
-    """Decode instances the router currently routes no KV to (``pdd:wan_link_up`` = 0)."""
-    import urllib.request
-
-    with urllib.request.urlopen(cluster.base_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return [line.split('"')[1] for line in text.splitlines()
-            if line.startswith("pdd:wan_link_up{") and line.rstrip().endswith(" 0.0")]
+    """Main-decode instances the router currently routes no KV to (``pdd:wan_link_up`` = 0)."""
+    samples = scrape_sync(cluster.base_url + "/metrics", timeout_s=10)
+    if samples is None:
+        raise OSError(f"no metrics from {cluster.base_url}/metrics")
+    return [next(iter(labels.values()), "") for labels, v in samples_of(samples, "pdd:wan_link_up") if v == 0]
 
 
 def wait_links_up(cluster: LocalCluster, t0: float, timeout: float = 60.0) -> float | None:
@@ -195,11 +190,11 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
     pipelines: list[str | None] = [None] * len(texts)
     facts: dict[str, Any] = {}
     if name == "kill_md":
-        pipelines = ["P-MD" if i % 2 else "P-RLD-MD" for i in range(len(texts))]
+        pipelines = [Pipeline.P_MD if i % 2 else Pipeline.P_RLD_MD for i in range(len(texts))]
     elif name == "kill_rld":
-        pipelines = ["P-RLD" if i % 2 else "P-RLD-MD" for i in range(len(texts))]
+        pipelines = [Pipeline.P_RLD if i % 2 else Pipeline.P_RLD_MD for i in range(len(texts))]
     elif name == "wan_cut":
-        pipelines = ["P-MD" if i % 2 else None for i in range(len(texts))]
+        pipelines = [Pipeline.P_MD if i % 2 else None for i in range(len(texts))]
 
     spread = args.wan_cut_s * 2 if name == "wan_cut" else 0.0  # transfers keep starting across the cut
 
@@ -215,11 +210,11 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
             await asyncio.sleep(spread * 0.2)
         elif name == "kill_rld":  # relays hold requests briefly (until handoff or a short P-RLD finish)
             await wait_streaming(progress, 0.05, 2)
-            await asyncio.to_thread(wait_busy, cluster, "relay", max(1, len(texts) // 8))
+            await asyncio.to_thread(wait_busy, cluster, Role.RELAY, max(1, len(texts) // 8))
         else:
             await wait_streaming(progress, 0.5, 3)
         if name in ("kill_md", "kill_rld"):
-            victim = busiest(cluster, "decode" if name == "kill_md" else "relay")
+            victim = busiest(cluster, Role.MAIN_DECODE if name == "kill_md" else Role.RELAY)
             facts["killed"] = victim
             facts["victim_in_flight"] = cluster.members[victim].health().get("in_flight", 0)
             cluster.kill(victim)
@@ -257,14 +252,10 @@ async def first_success_after(cluster: LocalCluster, t0: float, timeout: float =
     deadline = t0 + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
-            try:
-                async with session.post(cluster.base_url + "/v1/completions", json={
-                        "prompt": "ping", "max_tokens": 2, "temperature": 0},
-                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    if resp.status == 200:
-                        return round(time.monotonic() - t0, 2)
-            except (aiohttp.ClientError, TimeoutError):
-                pass
+            s = await stream(session, cluster.base_url + "/v1/completions",
+                             {"prompt": "ping", "max_tokens": 2, "temperature": 0}, timeout_s=5)
+            if s.status == 200:
+                return round(time.monotonic() - t0, 2)
             await asyncio.sleep(0.2)
     return None
 
@@ -290,7 +281,7 @@ async def run(args: argparse.Namespace) -> dict:
     root = Path(args.run_dir or tempfile.mkdtemp(prefix="pdd-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     if not args.model:
-        from pdd.shared.engine.tiny import build_tiny_checkpoint
+        from pdd.engine.tiny import build_tiny_checkpoint
 
         args.model = str(build_tiny_checkpoint(root / "model", seed=0, max_position_embeddings=1024))
     texts = prompts(args.requests, args.seed)

@@ -15,13 +15,6 @@ import random
 import sys
 import time
 
-# `python bench/engine.py` puts bench/ first on sys.path, where bench/pdd.py would shadow the
-# `pdd` package: drop the script folder (the package is importable through the install).
-if sys.path and os.path.abspath(sys.path[0] or ".") == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
-import torch  # noqa: E402
-
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
@@ -30,6 +23,8 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 def _hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> float:
     """Seconds for one batched left-padded greedy generate of exactly new_tokens tokens."""
+    import torch
+
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -44,7 +39,7 @@ def _hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def _engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> float:
-    from pdd.shared.engine import SamplingParams
+    from pdd.engine import SamplingParams
 
     params = SamplingParams(ignore_eos=True)
     start = time.perf_counter()
@@ -61,12 +56,14 @@ def main() -> int:
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=512)
     args = ap.parse_args()
+    import torch  # after the arguments: --help stays fast
+
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
 
-    from pdd.shared.engine import Engine
-    from pdd.shared.engine.loader import default_model_path
+    from pdd.engine import Engine
+    from pdd.shared.model_files import default_model_path
 
     path = default_model_path()
     batches = [int(b) for b in args.batches.split(",")]

@@ -7,22 +7,26 @@ instances, offered at 70% of the bottleneck stage's capacity. Last line: JSON wi
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from dataclasses import replace
 
-from pdd.loadgen.workload import agentic_arrays
-from pdd.sim.engine import simulate
-from pdd.sim.scenario import Scenario, load_yaml, stage_capacity, unit_poisson
+from pdd.shared.roles import Role
+
+SIM_MAIN_DECODE = "decode"  # the simulator's name for the main-decode role (sim/scenario.py)
 
 
 def main(n: int = 1_000_000, instances: tuple[int, int, int] = (400, 100, 500)) -> dict:
+    from pdd.loadgen.workload import agentic_arrays
+    from pdd.sim.event_loop import simulate
+    from pdd.sim.scenario import Scenario, load_yaml, stage_capacity, unit_poisson
+
     scn = Scenario.from_dict(load_yaml("report"))
     t0 = time.perf_counter()
     wl = agentic_arrays(replace(scn.workload, num_requests=n, seed=3))
     unit = unit_poisson(n, 3)
-    split = {"prefill": instances[0], "relay": instances[1], "decode": instances[2]}
+    split = {Role.PREFILL: instances[0], Role.RELAY: instances[1], SIM_MAIN_DECODE: instances[2]}
     probe = scn.sim_input("pdd", split, 1.0, wl, unit, record_itl=False)
     rate = 0.7 * min(stage_capacity(probe).values())
     inp = scn.sim_input("pdd", split, rate, wl, unit, record_itl=False)
@@ -41,5 +45,6 @@ def main(n: int = 1_000_000, instances: tuple[int, int, int] = (400, 100, 500)) 
 
 
 if __name__ == "__main__":
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
-    print(json.dumps(main(n)))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("requests", type=int, nargs="?", default=1_000_000, help="simulated requests")
+    print(json.dumps(main(ap.parse_args().requests)))

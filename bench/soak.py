@@ -3,7 +3,7 @@
 Issue #8 acceptance: "10-minute soak with random client aborts: after drain every instance reports
 100% KV blocks free; RSS growth <= 10% after warm-up".
 
-What runs (real processes, services/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
+What runs (real processes, services/launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
 and main decode (MD) on a tiny seeded model (or ``--model PATH``); the WAN transport is zmq behind
 the in-process shaper (``--wan-rate``/``--wan-delay``). The router chooses every pipeline itself; the
 policy thresholds below are scaled to the tiny model's 512 B/token KV so that the mix of prompts
@@ -12,9 +12,10 @@ P-RLD-MD and P-RLD all occur (the router's ``pdd:pipeline_requests_total`` count
 
 Load: ``--workers`` concurrent clients (aiohttp), each sending one request after another, streaming
 or not, for ``--seconds`` (or until ``--requests`` were sent). ``--abort-share`` of the valid requests
-are closed by the client at a random point: streams after a random number of content chunks
-(0 = right after the first event), non-streaming ones after a random delay; a stream that ends
-before its abort point counts as completed. ``--bad-share`` are malformed/invalid requests (they
+are closed by the client at a random point: streams after a random number of streamed tokens
+(loadgen/client.py: the chunks' token counts, else one per content chunk, which is what PDD's
+router gives today; 0 = right after the first event), non-streaming ones after a random delay; a
+stream that ends before its abort point counts as completed. ``--bad-share`` are malformed/invalid requests (they
 must be answered 4xx).
 A request without a complete answer ``--hang-s`` seconds after it was sent counts as hung.
 
@@ -26,6 +27,11 @@ are neither free nor reclaimable cache ("leaked": must be 0) and its RSS growth 
 Run: python -m pdd.bench.soak --seconds 600      (exit code 0 only when ok)
 Last stdout line: one JSON object with every figure; "ok" is true only if no engine leaked a block,
 no process grew more than --max-growth %, no request hung and no process died.
+
+Why one module: it is one benchmark, read top to bottom (configuration, request mix, outcomes,
+samplers, report); the parts share its tally and arguments. The client, the metrics parser and the
+cluster start/stop it uses are the shared ones (loadgen/client.py, loadgen/scrape.py,
+services/launch/local_cluster.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -44,13 +49,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdd.shared.pipelines import ROUTABLE
+from pdd.shared.roles import Role
+
 # Policy scaled to the tiny model (2 layers x 2 KV heads x 16 dims, fp32: 512 B/token): a prompt whose
 # missing KV would take over 3 ms on the WAN (at MD's measured rate, which the 5 ms shaper delay keeps
 # well under 1 Gbit/s) goes through the relay; >= 640-token prompts with short output are "anomalous"
 # and finish on the relay (P-RLD).
 TINY_POLICY = {"wan_masking_threshold_s": 0.003, "anomalous_min_prompt_tokens": 640, "default_wan_gbps": 0.2,
                "handoff_final_gap": 2}
-PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
+PIPELINES = ROUTABLE
 NO_INFO = "no-info"  # a stop string ended the answer in the HTTP layer: it carries no pipeline info
 
 
@@ -94,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cluster_config(args: argparse.Namespace, model_path: str) -> dict:
-    from pdd.services.local_cluster import two_site_layout
+    from pdd.services.launch.local_cluster import two_site_layout
 
     wan_opts: dict[str, Any] = {"streams": 2}
     if args.wan_rate or args.wan_delay:
@@ -125,7 +133,7 @@ class Spec:
     path: str
     body: Any  # dict, or raw bytes for malformed bodies
     stream: bool = False
-    abort_after: int | None = None  # streaming: close after this many content chunks
+    abort_after: int | None = None  # streaming: close after this many streamed tokens
     abort_delay: float | None = None  # non-streaming: close after this many seconds
     method: str = "POST"
 
@@ -259,84 +267,40 @@ class Tally:
                 "kinds": dict(self.kinds)}
 
 
-async def _error_code(resp: Any) -> str:
-    try:
-        body = await resp.json(content_type=None)
-        return str((body.get("error") or {}).get("code") or "")
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-async def _do(session: Any, base: str, spec: Spec, tally: Tally) -> str:
+async def _one(session: Any, base: str, spec: Spec, args: argparse.Namespace, tally: Tally) -> str:
     """One request; returns its outcome label and updates the tally's details."""
     import aiohttp
 
-    kwargs: dict[str, Any] = {}
-    if isinstance(spec.body, (bytes, bytearray)):
-        kwargs["data"] = bytes(spec.body)
-        kwargs["headers"] = {"Content-Type": "application/json"}
-    else:
-        kwargs["json"] = spec.body
+    from pdd.loadgen.client import stream
+
     bad = spec.kind.startswith("bad:")
-    try:
-        async with session.request(spec.method, base + spec.path, **kwargs) as resp:
-            if resp.status != 200:
-                code = await _error_code(resp)
-                if bad and 400 <= resp.status < 500:
-                    return "bad_rejected"
-                return f"error:{resp.status}" + (f":{code}" if code else "")
-            if bad:
-                return f"error:{resp.status}:accepted"
-            if not spec.stream:
-                body = await resp.json()
-                tally.pipelines[(body.get("pdd") or {}).get("pipeline", NO_INFO)] += 1
-                return "completed"
-            chunks = 0
-            finished = done = False
-            pipeline = NO_INFO
-            async for raw in resp.content:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    return f"error:stream:{(obj['error'] or {}).get('code', '?')}"
-                if obj.get("pdd"):
-                    pipeline = obj["pdd"].get("pipeline", pipeline)
-                for choice in obj.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finished = True
-                    delta = choice.get("delta") or {}
-                    if choice.get("text") or delta.get("content"):
-                        chunks += 1
-                if spec.abort_after is not None and chunks >= spec.abort_after and not finished:
-                    resp.close()  # the client goes away mid-stream
-                    return "aborted"
-            if done and finished:
-                tally.pipelines[pipeline] += 1
-                return "completed"
-            return "error:stream:truncated"
-    except aiohttp.ClientError as exc:
-        return f"error:conn:{type(exc).__name__}"
-    except (ValueError, asyncio.TimeoutError) as exc:  # an unparsable answer, a connect timeout
-        return f"error:client:{type(exc).__name__}"
-
-
-async def _one(session: Any, base: str, spec: Spec, args: argparse.Namespace, tally: Tally) -> str:
-    task = asyncio.ensure_future(_do(session, base, spec, tally))
-    limit = args.hang_s if spec.abort_delay is None else min(args.hang_s, spec.abort_delay)
-    done, _ = await asyncio.wait({task}, timeout=limit)
-    if task in done:
-        return task.result()
-    task.cancel()  # cancelling an aiohttp request closes its connection
-    await asyncio.gather(task, return_exceptions=True)
-    if spec.abort_delay is not None and limit < args.hang_s:
+    s = await stream(session, base + spec.path, spec.body, method=spec.method, abort_after_tokens=spec.abort_after,
+                     abort_after_s=spec.abort_delay, timeout_s=args.hang_s)
+    if s.aborted:
         return "aborted"
-    return "hung"
+    if s.timed_out:
+        return "hung"
+    if s.exception is not None:
+        if isinstance(s.exception, aiohttp.ClientError):
+            return f"error:conn:{type(s.exception).__name__}"
+        if isinstance(s.exception, (ValueError, asyncio.TimeoutError)):  # an unparsable answer, a connect timeout
+            return f"error:client:{type(s.exception).__name__}"
+        raise s.exception
+    if s.status != 200:
+        if bad and 400 <= s.status < 500:
+            return "bad_rejected"
+        return f"error:{s.status}" + (f":{s.error_code}" if s.error_code else "")
+    if bad:
+        return f"error:{s.status}:accepted"
+    if not spec.stream:
+        tally.pipelines[s.info.get("pipeline", NO_INFO)] += 1
+        return "completed"
+    if s.error is not None:
+        return f"error:stream:{(s.error if isinstance(s.error, dict) else {}).get('code', '?')}"
+    if s.done and s.finish_reason:
+        tally.pipelines[s.info.get("pipeline", NO_INFO)] += 1
+        return "completed"
+    return "error:stream:truncated"
 
 
 async def run_load(base: str, args: argparse.Namespace, workload: Workload, stop_at: float,
@@ -415,19 +379,16 @@ class Sampler:
 
 def router_pipelines(base: str) -> tuple[dict[str, int], dict[str, int]]:
     """pdd:pipeline_requests_total from the router's /metrics: by pipeline, and by "pipeline: reason"."""
-    import urllib.request
+    from pdd.loadgen.scrape import samples_of, scrape_sync
 
-    try:
-        with urllib.request.urlopen(base + "/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
+    samples = scrape_sync(base + "/metrics")
+    if samples is None:
         return {}, {}
     out: Counter = Counter()
     reasons: Counter = Counter()
-    for m in re.finditer(r'^pdd:pipeline_requests_total\{([^}]*)\}\s+([0-9.eE+]+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out[labels.get("pipeline", "?")] += int(float(m.group(2)))
-        reasons[f'{labels.get("pipeline", "?")}: {labels.get("reason", "?")}'] += int(float(m.group(2)))
+    for labels, value in samples_of(samples, "pdd:pipeline_requests_total"):
+        out[labels.get("pipeline", "?")] += int(value)
+        reasons[f'{labels.get("pipeline", "?")}: {labels.get("reason", "?")}'] += int(value)
     return {p: out.get(p, 0) for p in (*PIPELINES, *sorted(set(out) - set(PIPELINES)))}, dict(reasons)
 
 
@@ -473,36 +434,6 @@ def instance_state(cluster: Any) -> dict[str, dict]:
     return out
 
 
-def stop_cluster(cluster: Any, timeout: float = 30.0) -> dict[str, bool]:
-    """SIGTERM every instance and wait until each has drained and logged ``service_stopped`` (or
-    exited); what is left after that is interpreter teardown, which is not waited for (SIGKILL by pid).
-    Returns per instance whether it stopped gracefully."""
-    import signal
-
-    for m in cluster.members.values():
-        if m.alive:
-            try:
-                m.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + timeout
-    clean: dict[str, bool] = {}
-    while time.monotonic() < deadline and len(clean) < len(cluster.members):
-        for iid, m in cluster.members.items():
-            if iid in clean:
-                continue
-            if not m.alive:
-                clean[iid] = m.proc.returncode == 0
-            elif m.log_event("service_stopped"):
-                clean[iid] = True
-        time.sleep(0.1)
-    for iid, m in cluster.members.items():
-        clean.setdefault(iid, False)
-        m.kill()  # no-op for those already gone
-    cluster.stop()  # closes the logs, stops nats-server
-    return clean
-
-
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
@@ -512,14 +443,14 @@ def _mib(n: int | None) -> str:
 
 def run(args: argparse.Namespace) -> dict:
     """Start the system, soak it, drain it; returns the result dict (see module docstring)."""
-    from pdd.services.local_cluster import LocalCluster
+    from pdd.services.launch.local_cluster import LocalCluster
 
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="pdd-soak-"))
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.model:
         model_path = args.model
     else:
-        from pdd.shared.engine.tiny import build_tiny_checkpoint
+        from pdd.engine.tiny import build_tiny_checkpoint
 
         model_path = build_tiny_checkpoint(run_dir / "model", seed=args.seed,
                                            max_position_embeddings=args.max_context)
@@ -593,7 +524,7 @@ def run(args: argparse.Namespace) -> dict:
                               "rss_growth_pct": None if growth is None else round(growth, 2),
                               **{f"after_drain_{k}": v for k, v in states.get(iid, {}).items() if v is not None}}
         engines_ok = all(instances[iid]["leaked_blocks"] == 0 for iid, m in cluster.members.items()
-                         if m.role != "router")
+                         if m.role != Role.ROUTER)
         growth_ok = all(i["rss_growth_pct"] is not None and i["rss_growth_pct"] <= args.max_growth
                         for i in instances.values())
         result.update({
@@ -618,7 +549,8 @@ def run(args: argparse.Namespace) -> dict:
         raise
     finally:
         t_stop = time.monotonic()
-        result["stopped_cleanly"] = stop_cluster(cluster)
+        # drained and logged service_stopped is a clean stop; interpreter teardown is not waited for
+        result["stopped_cleanly"] = cluster.stop(timeout=30.0, until_exit=False)
         result["stop_s"] = round(time.monotonic() - t_stop, 1)
 
 
@@ -639,7 +571,7 @@ def print_report(result: dict) -> None:
     print(f"\n{'instance':<10} {'role':<8} {'alive':<5} {'leaked':>6} {'RSS warm':>9} {'RSS end':>9} "
           f"{'growth%':>8} {'RSS max':>9}   (MiB)")
     for iid, i in (result.get("instances") or {}).items():
-        leaked = "-" if i["role"] == "router" else str(i["leaked_blocks"])
+        leaked = "-" if i["role"] == Role.ROUTER else str(i["leaked_blocks"])
         growth = "-" if i["rss_growth_pct"] is None else f"{i['rss_growth_pct']:+.2f}"
         print(f"{iid:<10} {i['role']:<8} {str(i['alive']):<5} {leaked:>6} {_mib(i['rss_warm_bytes']):>9} "
               f"{_mib(i['rss_end_bytes']):>9} {growth:>8} {_mib(i['rss_max_bytes']):>9}")

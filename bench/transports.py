@@ -10,6 +10,7 @@ site A, separate processes. Best of RUNS per row. Last stdout line: one JSON obj
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -19,11 +20,18 @@ import sys
 import threading
 import time
 
-import torch
 
-# `python bench/transports.py` puts bench/ first on sys.path, where bench/pdd.py would shadow the
-# pdd package: drop the script's own directory before importing pdd.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--wan-role", nargs=3, metavar=("ROLE", "STREAMS", "ARG"), default=None,
+                    help=argparse.SUPPRESS)  # internal: one side of the emulated-WAN run
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help stays fast
+
+import torch
 
 from pdd.shared.kv_layout import KVLayout
 from pdd.transports import create_transport
@@ -186,7 +194,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--wan-role":
-        asyncio.run(wan_role(sys.argv[2], int(sys.argv[3]), sys.argv[4]))
+    if ARGS.wan_role:
+        role, streams, arg = ARGS.wan_role
+        asyncio.run(wan_role(role, int(streams), arg))
     else:
         main()

@@ -1,41 +1,49 @@
-"""PDD's own figures from a server's Prometheus /metrics (before/after deltas).
+"""Prometheus /metrics for every benchmark: the one parser, fetching, and PDD's own figures
+(before/after deltas).
 
-A server that does not expose a metric (vLLM, SGLang, or ours before it is wired) simply yields
-no figure for it: absent, not an error.
+Parsing is prometheus_client's (``text_string_to_metric_families``), kept as flat samples
+``{(sample name, sorted labels): value}``. A server that does not expose a metric (vLLM, SGLang, or
+ours before it is wired) simply yields no figure for it: absent, not an error.
 """
 
 from __future__ import annotations
 
-import re
+import urllib.request
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 WAN_BYTES = "pdd:wan_bytes_total"
 PIPELINE = "pdd:pipeline_requests_total"
 RLD_TOKENS = "pdd:rld_tokens_total"
 GENERATED = "pdd:generated_tokens_total"
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfaINFA]+)')
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def parse(text: str) -> Samples:
-    """Prometheus text exposition -> {(name, sorted labels): value}. Unparseable lines are skipped."""
+    """Prometheus text exposition -> {(sample name, sorted labels): value}; ValueError if malformed."""
     out: Samples = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _LINE.match(line.strip())
-        if not m:
-            continue
-        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
-        try:
-            out[(m.group(1), labels)] = float(m.group(3))
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = float(sample.value)
     return out
+
+
+def samples_of(samples: Samples, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample named ``name`` (or its underscore spelling, pdd_... for pdd:...)."""
+    alt = name.replace(":", "_")
+    return [(dict(labels), v) for (n, labels), v in samples.items() if n in (name, alt)]
+
+
+def scrape_sync(url: str, timeout_s: float = 5.0) -> Samples | None:
+    """GET /metrics without an event loop; None when nothing (parsable) answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return parse(resp.read().decode())
+    except (OSError, ValueError):
+        return None
 
 
 async def scrape(url: str, timeout_s: float = 5.0) -> Samples | None:
@@ -51,8 +59,7 @@ async def scrape(url: str, timeout_s: float = 5.0) -> Samples | None:
 
 
 def _total(samples: Samples, name: str) -> float | None:
-    alt = name.replace(":", "_")
-    vals = [v for (n, _), v in samples.items() if n in (name, alt)]
+    vals = [v for _, v in samples_of(samples, name)]
     return sum(vals) if vals else None
 
 

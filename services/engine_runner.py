@@ -13,7 +13,7 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdd.shared.engine import Engine, StepOutput
+from pdd.engine import Engine, StepOutput
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.engine_runner")

@@ -9,17 +9,24 @@ import asyncio
 import time
 from typing import Any
 
+from pdd.engine import SamplingParams
 from pdd.services.engine_runner import EngineRunner
 from pdd.shared import metrics
 from pdd.shared.bus import Envelope
 from pdd.shared.config import InstanceConfig, PDDConfig, TransportConfig
-from pdd.shared.engine import SamplingParams
 from pdd.shared.protocol import (
-    CacheEvents, CacheQuery, CacheQueryReply, Cancel, ErrorReply, Message, SamplingSpec, Subjects,
+    CacheEvents,
+    CacheQuery,
+    CacheQueryReply,
+    Cancel,
+    ErrorReply,
+    Message,
+    SamplingSpec,
+    Subjects,
 )
 from pdd.shared.service import Service
 from pdd.shared.telemetry import get_logger
-from pdd.transports.base import KVTransport, Peer, create_transport
+from pdd.transports import KVTransport, Peer, create_transport
 
 log = get_logger("pdd.engine_service")
 

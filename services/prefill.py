@@ -13,13 +13,22 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
+from pdd.engine import EngineInputError, StepOutput
 from pdd.services.engine_service import EngineService, sampling_params
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
-from pdd.shared.engine import EngineInputError, StepOutput
+from pdd.shared.pipelines import spec
 from pdd.shared.protocol import (
-    Cancel, ImportPlan, KVReady, Message, PrefillResult, PrepareImport, Subjects, SubmitRequest,
+    Cancel,
+    ImportPlan,
+    KVReady,
+    Message,
+    PrefillResult,
+    PrepareImport,
+    Subjects,
+    SubmitRequest,
 )
+from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, inject_headers
 from pdd.transports.errors import PeerLostError, TransferTimeout
 
@@ -35,7 +44,7 @@ class Destination:
 
 
 class PrefillService(EngineService):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(self, config, instance):
         super().__init__(config, instance)
@@ -77,9 +86,10 @@ class PrefillService(EngineService):
 
     def _destinations(self, req: SubmitRequest) -> list[Destination]:
         dests = []
-        if req.pipeline in ("P-RLD-MD", "P-RLD") and req.rld_instance:
+        kv_to = spec(req.pipeline).kv_to
+        if Role.RELAY in kv_to and req.rld_instance:
             dests.append(Destination(req.rld_instance, "fast", use_cache=False))
-        if req.pipeline in ("P-RLD-MD", "P-MD") and req.md_instance:
+        if Role.MAIN_DECODE in kv_to and req.md_instance:
             dests.append(Destination(req.md_instance, "wan", use_cache=True))
         return dests
 

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from pdd.services.receiver import Incoming, ReceiverService
+from pdd.engine import StepOutput
+from pdd.services.decoder_service import DecoderService, Incoming
 from pdd.shared import metrics
 from pdd.shared.bus import Envelope
-from pdd.shared.engine import StepOutput
-from pdd.shared.policy import HandoffMode, choose_handoff_mode
+from pdd.shared.pipelines import HandoffMode, spec
+from pdd.shared.policy import choose_handoff_mode
 from pdd.shared.protocol import HandoffAck, HandoffReady, HandoffTokens, Message, Subjects, TokenChunk
+from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.relay")
@@ -38,8 +40,8 @@ class Relayed:
     done: bool = False
 
 
-class RelayService(ReceiverService):
-    role = "relay"
+class RelayService(DecoderService):
+    role = Role.RELAY
     transport_kind = "fast"
     cache_finished = False  # relay work is transient: nothing to reuse
 
@@ -85,11 +87,11 @@ class RelayService(ReceiverService):
         state.done = True
         inc = state.inc
         rid = inc.req.request_id
-        if inc.req.md_instance and inc.req.pipeline == "P-RLD-MD":
+        if inc.req.md_instance and spec(inc.req.pipeline).hands_over:
             start = state.md_next if state.md_next is not None else 1
             self.post(Subjects.instance(inc.req.md_instance, "handoff_tokens"), HandoffTokens(
                 request_id=rid, rld_instance=self.instance_id, start=start, token_ids=inc.outputs[start:],
-                mode=state.mode or HandoffMode.ONE_SHOT.value, final=True, finish_reason=finish_reason))
+                mode=state.mode or HandoffMode.ONE_SHOT, final=True, finish_reason=finish_reason))
             self._batch_span(state, start, len(inc.outputs) - start, final=True)
         if finish_reason is None:  # handed over: name the boundary so the router switches owner
             self.post(inc.req.events_subject, TokenChunk(
@@ -97,7 +99,7 @@ class RelayService(ReceiverService):
                 owner_until=len(inc.outputs) - 1,
                 meta={"handoff_mode": state.mode, "handoff_batches": state.batches,
                       "rld_tokens": len(inc.outputs) - 1}))
-            metrics.HANDOFF.labels(state.mode or "one-shot").inc()
+            metrics.HANDOFF.labels(state.mode or HandoffMode.ONE_SHOT).inc()
         state.span.set_attributes({"rld_tokens": len(inc.outputs) - 1, "handoff_mode": state.mode or "",
                                    "finish_reason": finish_reason or "handoff"})
         state.span.end()

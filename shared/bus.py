@@ -1,5 +1,12 @@
 """NATS helpers: typed publish/subscribe/request with trace context in headers.
 
+How a service authenticates to NATS (credentials, TLS, telling a refusal from a server that is
+down) is nats_auth.py's; ``connect_options`` is re-exported here.
+
+Why one module: what is left is one NATS connection seen from its user's side; publishing, the
+hold-and-replay across an outage and request/subscribe share its state (open/held/recent) and its
+reconnect callbacks, so splitting them would spread one state machine over several files.
+
 Handlers receive decoded messages. A message that fails to decode is rejected here (logged,
 counted, and answered with an ``ErrorReply`` when the sender expects a reply), so no service
 loop ever sees a ``ProtocolError`` or dies of one.
@@ -13,12 +20,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
+from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats import errors as nats_errors
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import context as otel_context
@@ -26,7 +32,8 @@ from opentelemetry import trace
 from prometheus_client import Counter
 
 from pdd.shared import protocol
-from pdd.shared.config import ConfigError, NatsConfig, redact_url
+from pdd.shared.config import NatsConfig, redact_url
+from pdd.shared.nats_auth import connect_options, describe_refusal, is_fatal_connect_error
 from pdd.shared.protocol import ErrorReply, Message, ProtocolError
 from pdd.shared.telemetry import extract_context, get_logger, inject_headers
 
@@ -57,66 +64,6 @@ class BusError(RuntimeError):
 
 class BusConnectError(BusError):
     """The first connection was refused for good (bad credentials, TLS failure): retrying cannot help."""
-
-
-def _is_fatal_connect_error(exc: BaseException) -> bool:
-    """Errors on the first connection that mean our credentials or TLS setup are wrong, not the network."""
-    if isinstance(exc, (nats_errors.AuthorizationError, nats_errors.InvalidUserCredentialsError,
-                        nats_errors.SecureConnRequiredError, nats_errors.SecureConnWantedError,
-                        ssl.SSLCertVerificationError)):
-        return True
-    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
-        return True
-    text = str(exc).lower()
-    return "authorization violation" in text or "authentication expired" in text or "authentication revoked" in text
-
-
-def tls_context(config: NatsConfig) -> ssl.SSLContext | None:
-    """The client TLS context for ``nats.tls`` (None when TLS is not asked for)."""
-    if not config.wants_tls:
-        return None
-    tls = config.tls
-    try:
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
-    except (ssl.SSLError, OSError) as exc:
-        raise ConfigError(f"nats.tls.ca_file: cannot load CA certificates from {tls.ca_file}: {exc}") from None
-    if tls.cert_file:
-        try:
-            ctx.load_cert_chain(tls.cert_file, tls.key_file)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"nats.tls.cert_file/key_file: cannot load {tls.cert_file} with key {tls.key_file}: "
-                              f"{exc}") from None
-    if not tls.verify:
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    return ctx
-
-
-def connect_options(config: NatsConfig) -> dict[str, Any]:
-    """nats-py ``connect`` keyword arguments for authentication and TLS; ConfigError when unusable."""
-    opts: dict[str, Any] = {}
-    if config.token:
-        opts["token"] = config.token
-    if config.user:
-        opts["user"] = config.user
-        opts["password"] = config.password
-    if config.nkey_seed_file or config.credentials_file:
-        try:
-            import nkeys  # noqa: F401  (nats-py signs the server's nonce with it)
-        except ImportError:
-            field = "nkey_seed_file" if config.nkey_seed_file else "credentials_file"
-            raise ConfigError(f"nats.{field} needs the 'nkeys' package: pip install nkeys "
-                              f"(or pip install 'nats-py[nkeys]')") from None
-        if config.credentials_file:
-            opts["user_credentials"] = config.credentials_file
-        else:
-            opts["nkeys_seed"] = config.nkey_seed_file
-    ctx = tls_context(config)
-    if ctx is not None:
-        opts["tls"] = ctx
-        if config.tls.hostname:
-            opts["tls_hostname"] = config.tls.hostname
-    return opts
 
 
 @dataclass
@@ -204,7 +151,7 @@ class Bus:
 
         async def on_error(exc: Exception) -> None:
             if self.nc is None and not refused.done():
-                if _is_fatal_connect_error(exc):
+                if is_fatal_connect_error(exc):
                     refused.set_result(exc)
                 elif isinstance(exc, (ConnectionResetError, nats_errors.UnexpectedEOF, ssl.SSLEOFError)):
                     # e.g. TLS 1.3 with `verify: true` and no client certificate: the server's alert is
@@ -248,15 +195,7 @@ class Bus:
             await asyncio.gather(attempt, return_exceptions=True)
             await _close_quietly(nc)
             exc = refused.result()
-            if dropped[0] >= HANDSHAKE_DROPS_FATAL:
-                what = f"the server closed the connection during the handshake {dropped[0]} times in a row"
-                fix = ("nats.tls.cert_file/key_file (the server may require a client certificate) and the "
-                       "server's log")
-            elif isinstance(exc, ssl.SSLError):
-                what, fix = "TLS handshake failed", "nats.tls (ca_file, cert_file/key_file, hostname)"
-            else:
-                what, fix = "credentials refused", ("nats.token, nats.user/password, nats.nkey_seed_file or "
-                                                    "nats.credentials_file")
+            what, fix = describe_refusal(exc, dropped[0] if dropped[0] >= HANDSHAKE_DROPS_FATAL else 0)
             raise BusConnectError("nats_connect_refused", (
                 f"NATS at {shown}: {what} ({type(exc).__name__}: {redact_url(str(exc))}); check {fix}"))
         attempt.result()

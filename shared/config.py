@@ -16,10 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from pdd.shared.pipelines import HandoffMode, Pipeline, routable
 from pdd.shared.policy import PolicyConfig
 from pdd.shared.protocol import check_token
+from pdd.shared.roles import Role
 
-Role = Literal["router", "prefill", "relay", "decode"]
 ENV_PREFIX = "PDD__"
 
 
@@ -179,11 +180,16 @@ class RouterConfig(_Strict):
     max_migrations: int = Field(2, ge=0, description="failovers per request (resume elsewhere or retry on another "
                                 "prefill); then the request fails with 503")
     wan_probe_interval_s: float = Field(2.0, gt=0, description="while a WAN link is down, probe it this often")
-    forced_pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
-    forced_handoff: Literal["one-shot", "catch-up"] | None = None
+    forced_pipeline: Pipeline | None = None
+    forced_handoff: HandoffMode | None = None
     first_token_after_kv: bool = Field(
         False, description="conventional PD (the naive cross-site baseline): hold the first token until the "
                            "decoder that owns the request has its KV and streams; PDD streams it from P at once")
+
+    @field_validator("forced_pipeline")
+    @classmethod
+    def _routable(cls, value: Pipeline | None) -> Pipeline | None:
+        return routable(value)
 
 
 class ServiceConfig(_Strict):

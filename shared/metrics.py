@@ -35,7 +35,7 @@ REQUEST_WAN_BYTES = Histogram("pdd:request_wan_bytes", "KV bytes one request mov
 MIGRATIONS = Counter("pdd:request_migrations_total",
                      "Requests moved to another instance after a failure (resume from emitted tokens or retry)",
                      ["kind"])
-WAN_UP = Gauge("pdd:wan_link_up", "1 while the router routes KV over the WAN to this decode instance", ["decode"])
+WAN_UP = Gauge("pdd:wan_link_up", "1 while the router routes KV over the WAN to this main-decode instance", ["main_decode"])
 WAN_FALLBACKS = Counter("pdd:wan_fallback_total", "WAN KV transfers that failed and fell back", ["action"])
 RUNNING = Gauge("pdd:num_requests_running", "Requests in flight at this router")
 

@@ -1,4 +1,5 @@
-"""Pipeline policy: which path a request takes and how a relay hands it over.
+"""Pipeline policy: which path a request takes and how a relay hands it over (the pipelines themselves
+are declared in pipelines.py).
 
 One module, pure functions, every threshold a config value. The router calls it per request;
 the simulator imports the very same functions, so simulated and live routing cannot drift.
@@ -12,21 +13,11 @@ Paper rules encoded here:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-
-class Pipeline(str, enum.Enum):
-    P_MD = "P-MD"
-    P_RLD_MD = "P-RLD-MD"
-    P_RLD = "P-RLD"
-
-
-class HandoffMode(str, enum.Enum):
-    ONE_SHOT = "one-shot"
-    CATCH_UP = "catch-up"
+from pdd.shared.pipelines import HandoffMode, Pipeline
 
 
 class PolicyConfig(BaseModel):

@@ -5,17 +5,25 @@ Decoding is strict: unknown type, wrong version, missing/unknown/ill-typed field
 payload raises ``ProtocolError`` (never anything else), so a service loop can reject a bad
 message with one ``except`` and keep serving. Subjects are documented in docs/PROTOCOL.md and
 built by the helpers in ``Subjects``.
+
+Why one module: it is the wire contract, one job: every message schema with the one codec that
+checks messages against those schemas' type hints; a reviewer of a protocol change reads one file,
+and the codec's registry of types is built from the classes defined beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+
+from pdd.shared.pipelines import HandoffMode, Pipeline
+from pdd.shared.roles import Role
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1_000_000  # below NATS's default 1 MiB max_payload; ~200K token ids fit
@@ -76,12 +84,12 @@ class SubmitRequest(Message):
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingSpec
-    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD"
+    pipeline: Pipeline
     events_subject: str  # where token chunks / errors for this request go (the router's inbox)
     deadline_unix: float
     rld_instance: str | None = None
     md_instance: str | None = None
-    handoff_mode: str | None = None  # forced "one-shot" | "catch-up", else chosen by the relay
+    handoff_mode: HandoffMode | None = None  # forced, else chosen by the relay
     output_ids: list[int] = field(default_factory=list)  # already emitted tokens (migration/resume)
 
 
@@ -108,10 +116,10 @@ class PrepareImport(Message):
     sampling: SamplingSpec
     events_subject: str
     deadline_unix: float
-    pipeline: str
+    pipeline: Pipeline
     use_cache: bool = True  # the relay takes the full KV; main decode reuses its radix cache
     source_descriptor: dict = field(default_factory=dict)  # sender's transport descriptor
-    handoff_mode: str | None = None
+    handoff_mode: HandoffMode | None = None
     md_instance: str | None = None
     rld_instance: str | None = None
     trace_id: str | None = None
@@ -148,7 +156,7 @@ class TokenChunk(Message):
     TYPE: ClassVar[str] = "tokens"
     request_id: str
     instance_id: str
-    role: str
+    role: Role
     start: int
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None (more to come)
@@ -178,7 +186,7 @@ class HandoffTokens(Message):
     rld_instance: str
     start: int
     token_ids: list[int]
-    mode: str  # "one-shot" | "catch-up"
+    mode: HandoffMode
     final: bool
     finish_reason: str | None = None  # the relay already finished the request (nothing left for MD)
 
@@ -218,7 +226,7 @@ class Announce(Message):
 
     TYPE: ClassVar[str] = "announce"
     instance_id: str
-    role: str
+    role: Role
     site: str
     state: str  # "ready" | "draining" | "stopped"
     load: float  # 0..1
@@ -269,7 +277,7 @@ class Ping(Message):
 class Pong(Message):
     TYPE: ClassVar[str] = "pong"
     instance_id: str
-    role: str
+    role: Role
     payload: str = ""
 
 
@@ -335,6 +343,8 @@ def _to_wire(value: Any) -> Any:
         return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "TYPE"}
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
+    if isinstance(value, enum.Enum):
+        return value.value
     return value
 
 
@@ -391,6 +401,14 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if type(value) is not int:
             raise ProtocolError("bad_field", f"{where}: expected an int, got {type(value).__name__}")
         return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            if type(value) is not str:
+                raise ValueError(value)
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in hint)
+            raise ProtocolError("bad_field", f"{where}: {str(value)[:40]!r} is not one of {choices}") from None
     if hint in (str, bool, bytes):
         if type(value) is not hint:
             raise ProtocolError("bad_field", f"{where}: expected {hint.__name__}, got {type(value).__name__}")

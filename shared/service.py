@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 from pdd.shared.bus import Bus, Envelope
 from pdd.shared.config import InstanceConfig, PDDConfig
 from pdd.shared.protocol import Announce, Message, Ping, Pong, Subjects
+from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, setup_logging, setup_tracing, shutdown_tracing
 
 log = get_logger("pdd.service")
@@ -28,7 +29,7 @@ UP = Gauge("pdd:instance_up", "1 while the instance is ready, 0 while draining",
 
 
 class Service:
-    role: str = "service"
+    role: Role  # each role sets its own
 
     def __init__(self, config: PDDConfig, instance: InstanceConfig):
         self.config = config

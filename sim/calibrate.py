@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .costmodel import CostModel
-from .engine import SimInput, SimResult, simulate
+from .event_loop import SimInput, SimResult, simulate
 
 
 @dataclass

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from .calibrate import to_bench_json
-    from .engine import simulate
+    from .event_loop import simulate
     from .metrics import Slo, summary
     from .report import np_clean
     from .scenario import Scenario, load_yaml, unit_poisson

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from .engine import PIPELINE_NAMES, SimResult
+from .event_loop import PIPELINE_NAMES, SimResult
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from .engine import SimResult, simulate
+from .event_loop import SimResult, simulate
 from .metrics import Slo, goodput, summary
 from .scenario import Scenario, set_path, stage_capacity, unit_poisson
 

@@ -15,7 +15,7 @@ from pdd.loadgen.workload import AgenticConfig, HitDistribution, Workload, agent
 from pdd.shared.policy import PolicyConfig
 
 from .costmodel import CostModel, from_hardware
-from .engine import SimInput
+from .event_loop import SimInput
 from .hardware import Chip, ModelSpec, WanLink, build
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"

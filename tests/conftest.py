@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.shared.natsserver import start_nats_server
+from pdd.services.launch.natsserver import start_nats_server
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,6 @@ def nats_url(nats_server) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny seeded Llama checkpoint (real HF folder + tokenizer) for services under test."""
-    from pdd.shared.engine.tiny import build_tiny_checkpoint
+    from pdd.engine.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=1024)

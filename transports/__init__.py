@@ -1,11 +1,17 @@
-"""KV transport plugins (inproc, zmq, ucx) behind one interface; see base.py."""
+"""KV transport plugins (inproc, zmq, ucx) behind one interface; see base.py (interface) and plugins.py (registry)."""
 
-from .base import (KVTransport, Peer, available_transports, create_transport, register_transport,
-                   ucx_available)
-from .errors import (IncompatiblePeerError, PeerLostError, RemoteRejected, TransferCancelled,
-                     TransferError, TransferTimeout)
+from .base import KVTransport, Peer
+from .errors import (
+                     IncompatiblePeerError,
+                     PeerLostError,
+                     RemoteRejected,
+                     TransferCancelled,
+                     TransferError,
+                     TransferTimeout,
+)
 from .frames import FrameError
-from .receiver import TransferHandle, TransferStats
+from .plugins import available_transports, create_transport, register_transport, ucx_available
+from .receive_side import TransferHandle, TransferStats
 
 __all__ = ["KVTransport", "Peer", "TransferHandle", "TransferStats", "create_transport",
            "register_transport", "available_transports", "TransferError", "TransferTimeout",

@@ -1,8 +1,8 @@
-"""The KV transport interface, and the registry that picks a plugin by name.
+"""The KV transport interface (the plugin registry is plugins.py).
 
 A transport moves KV *blocks* between two paged pools and knows nothing about models:
 
-    t = create_transport("zmq", {"streams": 4})
+    t = create_transport("zmq", {"streams": 4})  # plugins.py
     await t.start(); t.register(layout, k_cache, v_cache)
     desc = t.descriptor()                      # -> peers, over NATS
     peer = await t.connect(remote_desc)        # sender side
@@ -11,7 +11,7 @@ A transport moves KV *blocks* between two paged pools and knows nothing about mo
     await handle                               # TransferStats, or a TransferError subclass
 
 Plugins subclass KVTransport and fill in five hooks (_start, _address, _connect, _send_frames,
-_close); validation, framing, completion tracking and telemetry live here and in receiver.py, so
+_close); validation, framing, completion tracking and telemetry live here and in receive_side.py, so
 every plugin behaves the same. Third parties add plugins through the ``pdd.transports`` entry-point
 group.
 """
@@ -22,23 +22,22 @@ import abc
 import time
 import uuid
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 
-from ..shared.kv_layout import KVLayout
+from pdd.shared.kv_layout import KVLayout
+
 from . import telemetry
 from .blocks import FramePlan, byte_view, gather, plan_frames
 from .errors import IncompatiblePeerError
 from .frames import FrameHeader, UnexpectedFrame, checksum, decode_header
-from .receiver import ReceiveRegistry, TransferHandle, TransferStats
+from .receive_side import ReceiveRegistry, TransferHandle, TransferStats
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 16 << 20  # bulk KV: fewer, larger frames (per-frame cost ~1-3 ms CPU)
 
-__all__ = ["KVTransport", "Peer", "TransferHandle", "TransferStats", "create_transport",
-           "register_transport", "available_transports"]
+__all__ = ["KVTransport", "Peer", "TransferHandle", "TransferStats"]
 
 
 @dataclass
@@ -194,65 +193,3 @@ class KVTransport(abc.ABC):
         if self._registry is None:
             raise UnexpectedFrame("no pool registered on this receiver")
         return self._registry.accept(decode_header(header), payload, source)
-
-
-# ---- registry ---------------------------------------------------------------------------------
-_REGISTRY: dict[str, type[KVTransport] | str] = {
-    "inproc": "pdd.transports.inproc:InprocTransport",
-    "zmq": "pdd.transports.zmq_transport:ZmqTransport",
-    "ucx": "pdd.transports.ucx_transport:UcxTransport",
-}
-_discovered = False
-
-
-def register_transport(name: str, cls: type[KVTransport] | str) -> None:
-    """Add a plugin by class or by "module:Class" path (loaded on first use)."""
-    _REGISTRY[name] = cls
-
-
-def _discover() -> None:
-    global _discovered
-    if not _discovered:
-        _discovered = True
-        for ep in entry_points(group="pdd.transports"):
-            _REGISTRY.setdefault(ep.name, ep.value)
-
-
-def ucx_available() -> bool:
-    """Whether the ucx plugin can run here (ucxx imports); callers fall back to zmq in-site."""
-    try:
-        import ucxx  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure (missing package, missing libucx) means no
-        return False
-    return True
-
-
-def available_transports() -> list[str]:
-    _discover()
-    return sorted(_REGISTRY)
-
-
-def _load(name: str) -> type[KVTransport]:
-    _discover()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown KV transport {name!r}; available: {', '.join(available_transports())}")
-    target = _REGISTRY[name]
-    if isinstance(target, str):
-        import importlib
-
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-        _REGISTRY[name] = target
-    return target
-
-
-def create_transport(name: str, options: Mapping[str, Any] | None = None) -> KVTransport:
-    """Instantiate a plugin by name. ``options["shape"]`` wraps it in the in-process WAN shaper."""
-    opts = dict(options or {})
-    shape = opts.pop("shape", None)
-    transport = _load(name)(opts)
-    if shape:
-        from .shaper import ShapedTransport
-
-        transport = ShapedTransport(transport, **shape)
-    return transport

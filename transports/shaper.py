@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from .base import KVTransport, Peer
 from .errors import PeerLostError
-from .receiver import TransferHandle, TransferStats
+from .receive_side import TransferHandle, TransferStats
 from .units import rate_bits, seconds
 
 

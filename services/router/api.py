@@ -2,15 +2,14 @@
 
 ``create_app(backend)`` serves /v1/completions, /v1/chat/completions (SSE streaming or not),
 /v1/models, /health and /metrics. This module only speaks HTTP: it validates, tokenizes, turns the
-backend's token events into text (detokenize.py) and closes the backend's generator when the client
-leaves or a stop string ends the output early, which is how a request is cancelled everywhere.
+backend's token events into text (detokenize.py) and OpenAI bodies (openai_format.py) and closes the
+backend's generator when the client leaves or a stop string ends the output early, which is how a request is cancelled everywhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import secrets
 import time
 import uuid
@@ -27,9 +26,9 @@ from starlette.requests import ClientDisconnect
 
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.errors import APIError, from_validation_error, install_error_handlers, log
+from pdd.services.router.openai_format import ChatFormatter, CompletionFormatter, Formatter, sse_line, usage_body
 from pdd.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from pdd.services.router.streaming import (BackendStream, ClientDisconnected, Delta, text_deltas,
-                                           watch_disconnect)
+from pdd.services.router.streaming import BackendStream, ClientDisconnected, text_deltas, watch_disconnect
 from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
 from pdd.shared.protocol import SamplingSpec
 
@@ -113,86 +112,6 @@ class _SSEResponse(StreamingResponse):
             await self.stream_response(send)
         except OSError:
             pass  # client gone mid-send; the watcher has or will cancel the generation
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class _Formatter:
-    """OpenAI response shapes; one subclass per endpoint."""
-
-    object_chunk: str
-    object_full: str
-
-    def __init__(self, request_id: str, model: str, include_usage: bool):
-        self.id = request_id
-        self.model = model
-        self.created = int(time.time())
-        self.include_usage = include_usage
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def start_chunks(self) -> list[dict]:
-        return []
-
-    def chunk(self, delta: Delta, pdd: dict | None) -> dict: ...
-
-    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict: ...
-
-    def _with_usage(self, body: dict) -> dict:
-        if self.include_usage:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, usage: dict, pdd: dict) -> dict:
-        return {**self._head(self.object_chunk), "choices": [], "usage": usage, "pdd": pdd}
-
-
-class _CompletionFormatter(_Formatter):
-    object_chunk = object_full = "text_completion"
-
-    def chunk(self, delta: Delta, pdd: dict | None) -> dict:
-        body = {**self._head(self.object_chunk),
-                "choices": [{"index": 0, "text": delta.text, "logprobs": None,
-                             "finish_reason": delta.finish_reason}]}
-        if pdd is not None:
-            body["pdd"] = pdd
-        return self._with_usage(body)
-
-    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict:
-        return {**self._head(self.object_full),
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-                "usage": usage, "pdd": pdd}
-
-
-class _ChatFormatter(_Formatter):
-    object_chunk = "chat.completion.chunk"
-    object_full = "chat.completion"
-
-    def start_chunks(self) -> list[dict]:
-        return [self._with_usage({**self._head(self.object_chunk), "choices": [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})]
-
-    def chunk(self, delta: Delta, pdd: dict | None) -> dict:
-        body = {**self._head(self.object_chunk),
-                "choices": [{"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                             "logprobs": None, "finish_reason": delta.finish_reason}]}
-        if pdd is not None:
-            body["pdd"] = pdd
-        return self._with_usage(body)
-
-    def full(self, text: str, finish_reason: str, usage: dict, pdd: dict) -> dict:
-        return {**self._head(self.object_full),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish_reason}],
-                "usage": usage, "pdd": pdd}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 class _API:
@@ -312,7 +231,7 @@ class _API:
 
     # ---- generation -----------------------------------------------------------------------
     async def respond(self, request: Request, greq: GenerationRequest,
-                      req: CompletionRequest | ChatCompletionRequest, fmt: _Formatter) -> Response:
+                      req: CompletionRequest | ChatCompletionRequest, fmt: Formatter) -> Response:
         """Start the backend, wait for its first event (so early errors get a real status), then
         answer with one JSON body or an SSE stream."""
         detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list())
@@ -347,30 +266,30 @@ class _API:
                 raise self._as_api_error(exc, greq) from None
             finally:
                 await finish()
-            usage = _usage(len(greq.prompt_ids), last.completion_tokens)
+            usage = usage_body(len(greq.prompt_ids), last.completion_tokens)
             return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
 
         async def body() -> AsyncIterator[str]:
             try:
                 for c in fmt.start_chunks():
-                    yield _sse(c)
+                    yield sse_line(c)
                 delta = first
                 while True:
                     final = delta.finish_reason is not None
                     if delta.text or final:
-                        yield _sse(fmt.chunk(delta, delta.info if final else None))
+                        yield sse_line(fmt.chunk(delta, delta.info if final else None))
                     if final:
                         if fmt.include_usage:
-                            usage = _usage(len(greq.prompt_ids), delta.completion_tokens)
-                            yield _sse(fmt.usage_chunk(usage, delta.info))
+                            usage = usage_body(len(greq.prompt_ids), delta.completion_tokens)
+                            yield sse_line(fmt.usage_chunk(usage, delta.info))
                         break
                     delta = await deltas.__anext__()
-                yield _sse("[DONE]")
+                yield sse_line("[DONE]")
             except ClientDisconnected:
                 log.info("client_disconnected", request_id=greq.request_id)
             except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-                yield _sse(self._as_api_error(exc, greq).body())  # type: ignore[union-attr]
-                yield _sse("[DONE]")
+                yield sse_line(self._as_api_error(exc, greq).body())  # type: ignore[union-attr]
+                yield sse_line("[DONE]")
             finally:
                 await finish()
 
@@ -418,7 +337,8 @@ def create_app(backend: Backend) -> FastAPI:
         api.check_model(req.model)
         prompt_ids = await api.tokenize_prompt(req.prompt)  # type: ignore[arg-type]
         greq = api.generation_request("cmpl", prompt_ids, req)
-        fmt = _CompletionFormatter(greq.request_id, backend.model_name, req.include_usage())
+        fmt = CompletionFormatter(greq.request_id, backend.model_name, req.include_usage(),
+                                  len(prompt_ids) if req.continuous_usage() else None)
         return await api.respond(request, greq, req, fmt)
 
     @app.post("/v1/chat/completions")
@@ -428,7 +348,8 @@ def create_app(backend: Backend) -> FastAPI:
         api.check_model(req.model)
         prompt_ids = await api.tokenize_chat(req)
         greq = api.generation_request("chatcmpl", prompt_ids, req)
-        fmt = _ChatFormatter(greq.request_id, backend.model_name, req.include_usage())
+        fmt = ChatFormatter(greq.request_id, backend.model_name, req.include_usage(),
+                            len(prompt_ids) if req.continuous_usage() else None)
         return await api.respond(request, greq, req, fmt)
 
     def model_card() -> dict[str, Any]:

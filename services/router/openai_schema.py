@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
 
-PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
-HANDOFFS = ("one-shot", "catch-up")
+from pdd.shared.pipelines import HandoffMode, Pipeline, routable
+
 MAX_STOP_STRINGS = 16
 
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
@@ -29,13 +29,19 @@ class PDDOptions(_Model):
     """The ``pdd`` extension object: force a pipeline and/or a handoff mode (tests, operators), and
     ask for the output token ids in the response's ``pdd`` info (token-exact comparisons)."""
 
-    pipeline: Literal["P-MD", "P-RLD-MD", "P-RLD"] | None = None
-    handoff: Literal["one-shot", "catch-up"] | None = None
+    pipeline: Annotated[Pipeline, Field(strict=False)] | None = None  # enums from JSON strings
+    handoff: Annotated[HandoffMode, Field(strict=False)] | None = None
     return_token_ids: StrictBool = False
+
+    @field_validator("pipeline")
+    @classmethod
+    def _routable(cls, value: Pipeline | None) -> Pipeline | None:
+        return routable(value)
 
 
 class StreamOptions(_Model):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM: with include_usage, cumulative usage on every chunk
 
 
 class _Common(_Model):
@@ -122,6 +128,11 @@ class _Common(_Model):
 
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's rule: needs include_usage too). Clients time output positions by
+        the cumulative completion_tokens, since one chunk can carry several tokens."""
+        return self.include_usage() and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):

@@ -1,15 +1,18 @@
 """In-order emission with explicit ownership: each output position exactly once, from its owner.
 
-P owns position 0. With a relay, the relay owns every position up to the boundary it names
-(``owner_until``); MD owns the rest (MD chunks that arrive before the boundary is named wait).
-P-MD: MD owns positions from 1. After a migration ("resume") the one instance resuming the request
-(under its own attempt id) owns every position from where the client's stream stands.
+Who owns a position is the pipeline's (``PipelineSpec.owns``): P owns position 0; in a handoff the
+relay owns every position up to the boundary it names (``owner_until``) and MD the rest (MD chunks
+that arrive before the boundary is named wait here). After a migration the one instance resuming the
+request (under its own attempt id) owns every position from where the client's stream stands.
 Anything else (a duplicate, a stale owner) is dropped and counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.roles import Role
 
 
 @dataclass
@@ -20,7 +23,7 @@ class Emission:
 
 @dataclass
 class OwnershipTracker:
-    pipeline: str  # "P-MD" | "P-RLD-MD" | "P-RLD" | "resume"
+    pipeline: Pipeline  # the spec (pipelines.py) says who owns which position
     next_position: int = 0
     relay_until: int | None = None  # last relay position, once the relay names it
     finish_at: int | None = None  # total output length when known
@@ -30,37 +33,23 @@ class OwnershipTracker:
     _pending: dict[int, int] = field(default_factory=dict)
     _waiting_md: list[tuple[int, list[int], str | None]] = field(default_factory=list)
 
-    def owns(self, role: str, position: int) -> bool | None:
+    def owns(self, role: Role, position: int) -> bool | None:
         """True/False, or None when it cannot be decided yet (MD before the relay's boundary)."""
-        if role == "prefill":
-            return position == 0
-        if position == 0:
-            return False
-        if self.pipeline == "resume":
-            return role in ("relay", "decode")
-        if role == "relay":
-            return self.pipeline != "P-MD" and (self.relay_until is None or position <= self.relay_until)
-        if role == "decode":
-            if self.pipeline == "P-MD":
-                return True
-            if self.pipeline == "P-RLD":
-                return False
-            return None if self.relay_until is None else position > self.relay_until
-        return False
+        return spec(self.pipeline).owns(role, position, self.relay_until)
 
-    def accept(self, role: str, start: int, token_ids: list[int], finish_reason: str | None = None,
+    def accept(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None = None,
                owner_until: int | None = None) -> Emission:
-        if role == "relay" and owner_until is not None and self.relay_until is None:
+        if role == Role.RELAY and owner_until is not None and self.relay_until is None:
             self.relay_until = owner_until
             waiting, self._waiting_md = self._waiting_md, []
             for w_start, w_ids, w_finish in waiting:
-                self._take("decode", w_start, w_ids, w_finish)
+                self._take(Role.MAIN_DECODE, w_start, w_ids, w_finish)
         self._take(role, start, token_ids, finish_reason)
         return self._flush()
 
-    def _take(self, role: str, start: int, token_ids: list[int], finish_reason: str | None) -> None:
+    def _take(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None) -> None:
         end = start + len(token_ids)
-        decided = self.owns(role, max(start, 1) if role != "prefill" else start)
+        decided = self.owns(role, max(start, 1) if role != Role.PREFILL else start)
         if decided is None:
             self._waiting_md.append((start, list(token_ids), finish_reason))
             return
@@ -68,13 +57,13 @@ class OwnershipTracker:
             pos = start + i
             if self.owns(role, pos) and pos >= self.next_position and pos not in self._pending:
                 self._pending[pos] = token
-                if role == "relay":
+                if role == Role.RELAY:
                     self.relay_tokens += 1
             else:
                 self.dropped += 1
         if finish_reason is not None and self.finish_at is None:
             last = end - 1
-            if last < 0 or self.owns(role, max(last, 0)) or (role == "prefill" and last == 0):
+            if last < 0 or self.owns(role, max(last, 0)) or (role == Role.PREFILL and last == 0):
                 self.finish_at, self.finish_reason = end, finish_reason
 
     def _flush(self) -> Emission:

@@ -7,8 +7,8 @@ whose events the router has not seen yet is "cold": the caller asks it directly 
 
 from __future__ import annotations
 
+from pdd.shared.block_hash import prefix_block_hashes
 from pdd.shared.bus import Bus, Envelope
-from pdd.shared.engine.radix_cache import prefix_block_hashes
 from pdd.shared.protocol import CacheEvents, Message
 
 

@@ -7,14 +7,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdd.services.router.orchestrator import Orchestrator
+from pdd.services.router.registry import Registry
 from pdd.services.router.types import GenerationRequest, TokenEvent
 from pdd.shared.config import InstanceConfig, PDDConfig
-from pdd.shared.registry import Registry
+from pdd.shared.roles import ENGINE_ROLES, Role
 from pdd.shared.service import Service
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.router")
-REQUIRED_ROLES = ("prefill", "relay", "decode")
+REQUIRED_ROLES = ENGINE_ROLES
 
 
 def model_display_name(config: PDDConfig) -> str:
@@ -28,7 +29,7 @@ def model_display_name(config: PDDConfig) -> str:
 class RouterService(Service):
     """Also the HTTP layer's backend: model facts, readiness and ``generate``."""
 
-    role = "router"
+    role = Role.ROUTER
 
     def __init__(self, config: PDDConfig, instance: InstanceConfig, serve_http: bool = True):
         super().__init__(config, instance)
@@ -51,8 +52,8 @@ class RouterService(Service):
         await self.orchestrator.start()
         if not self.serve_http:
             return
-        from pdd.shared.engine.loader import resolve_model_path
-        from pdd.shared.engine.tokenizer import load_tokenizer
+        from pdd.shared.model_files import resolve_model_path
+        from pdd.shared.tokenizer import load_tokenizer
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_path(self.config.model.path))
         await self._start_api()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.protocol import SamplingSpec
 
 
@@ -23,8 +24,8 @@ class GenerationRequest:
     prompt_ids: list[int]
     sampling: SamplingSpec
     deadline_unix: float
-    forced_pipeline: str | None = None  # "P-MD" | "P-RLD-MD" | "P-RLD"
-    forced_handoff: str | None = None  # "one-shot" | "catch-up"
+    forced_pipeline: Pipeline | None = None
+    forced_handoff: HandoffMode | None = None
     return_token_ids: bool = False  # put the output token ids into the final event's info
 
 

@@ -3,15 +3,25 @@
 A failed WAN transfer marks the link to that decode instance down: the policy stops choosing
 pipelines that move KV over it (requests finish on the relay, P-RLD) until a probe — a real
 two-token request forced over that link, so it moves one fresh block of KV — gets through.
+
+``WanHealth`` is the link-state machine; ``WanProbe`` sends a probe and reads its answer off the
+router's event stream (the orchestrator hands it the events of probe ids).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Awaitable, Callable
 
+from pdd.services.router.registry import Registry
 from pdd.shared import metrics
+from pdd.shared.bus import Bus, BusError
+from pdd.shared.config import PDDConfig
+from pdd.shared.pipelines import Pipeline
+from pdd.shared.protocol import ErrorReply, Message, SamplingSpec, Subjects, SubmitRequest, TokenChunk
+from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.router.wan")
@@ -65,3 +75,59 @@ class WanHealth:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._probers.clear()
+
+
+class WanProbe:
+    """A real two-token P-MD request over the link to one decode instance (``probe``), answered by the
+    first token main decode streams back (``on_event``)."""
+
+    def __init__(self, config: PDDConfig, bus: Bus, registry: Registry, events_subject: str,
+                 cancel: Callable[[str, str], Awaitable[None]], forget: Callable[[str], None]):
+        self.config = config
+        self.bus = bus
+        self.registry = registry
+        self.events_subject = events_subject
+        self._cancel = cancel
+        self._forget = forget  # the decode instance left the registry: stop probing it
+        self._probes: dict[str, asyncio.Future] = {}
+
+    def owns(self, request_id: str | None) -> bool:
+        return request_id in self._probes
+
+    async def probe(self, decode_id: str) -> bool:
+        """True when MD's token comes back over the link to ``decode_id``."""
+        decode = self.registry.get(decode_id)
+        prefills = self.registry.instances(Role.PREFILL)
+        if decode is None:
+            self._forget(decode_id)
+            return False
+        if not prefills:
+            return False
+        block_size = int(decode.cache_summary.get("block_size", self.config.model.block_size))
+        prompt = [random.randrange(1, 256) for _ in range(block_size + 1)]  # fresh: MD cannot have it cached
+        probe_id = f"wan-probe-{decode_id}-{random.getrandbits(48):012x}"
+        done = asyncio.get_running_loop().create_future()
+        self._probes[probe_id] = done
+        prefill = min(prefills, key=lambda i: (i.load, i.instance_id))
+        timeout = max(5.0, self.config.router.stall_timeout_s)
+        try:
+            await self.bus.publish(Subjects.instance(prefill.instance_id, "submit"), SubmitRequest(
+                request_id=probe_id, prompt_ids=prompt, sampling=SamplingSpec(max_tokens=2, ignore_eos=True),
+                pipeline=Pipeline.P_MD, events_subject=self.events_subject, deadline_unix=time.time() + timeout,
+                md_instance=decode_id))
+            return await asyncio.wait_for(done, timeout)
+        except (asyncio.TimeoutError, BusError):
+            return False
+        finally:
+            self._probes.pop(probe_id, None)
+            if not done.done() or not done.result():
+                await self._cancel(probe_id, "wan probe over")
+
+    def on_event(self, message: Message) -> None:
+        done = self._probes.get(getattr(message, "request_id", ""))
+        if done is None or done.done():
+            return
+        if isinstance(message, ErrorReply):
+            done.set_result(False)
+        elif isinstance(message, TokenChunk) and message.role == Role.MAIN_DECODE and message.token_ids:
+            done.set_result(True)

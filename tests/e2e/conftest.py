@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.services.local_cluster import two_site_layout
-from pdd.shared.natsserver import free_port
+from pdd.services.launch.local_cluster import two_site_layout
+from pdd.services.launch.natsserver import free_port
 from pdd.transports import ucx_available
 from tests.helpers import ServiceProcess, write_config
 
@@ -98,6 +98,6 @@ def system(tmp_path_factory, nats_url, tiny_model):
 
 @pytest.fixture(scope="session")
 def reference(tiny_model):
-    from pdd.shared.engine import Engine
+    from pdd.engine import Engine
 
     return Engine.from_model(tiny_model, kv_memory_bytes=8 << 20, num_threads=1)

@@ -12,7 +12,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from pdd.shared.natsserver import free_port
+from pdd.services.launch.natsserver import free_port
 from tests.e2e.test_pipelines import body_for, wait_for_spans
 
 STAGES = {"prefill", "kv.transfer.fast", "kv.transfer.wan", "relay.decode", "handoff.batch", "extend", "main.decode"}
@@ -41,7 +41,7 @@ def test_p_rld_md_span_tree_and_pdd_trace(system, tmp_path):
     assert STAGES <= names, STAGES - names
     services = {s["name"]: s["service"] for s in tree}
     assert services["prefill"] == "pdd-prefill" and services["relay.decode"] == "pdd-relay"
-    assert services["extend"] == "pdd-decode" and services["main.decode"] == "pdd-decode"
+    assert services["extend"] == "pdd-main-decode" and services["main.decode"] == "pdd-main-decode"
     for s in tree:
         if s["span_id"] == root["span_id"] or s["name"].startswith(("POST ", "fastapi.")):
             continue
@@ -56,7 +56,7 @@ def test_p_rld_md_span_tree_and_pdd_trace(system, tmp_path):
     batches = [s for s in tree if s["name"] == "handoff.batch"]
     assert batches[-1]["attributes"]["final"] is True
     out = tmp_path / "timeline"
-    res = subprocess.run([sys.executable, "-m", "pdd.services.cli", "trace", str(system.root / "spans.jsonl"),
+    res = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "trace", str(system.root / "spans.jsonl"),
                           "--request-id", rid, "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     html = next(out.glob("*.html")).read_text()

@@ -11,11 +11,14 @@ import json
 import random
 import time
 
+import aiohttp
 import httpx
 import pytest
 
+from pdd.shared.pipelines import ROUTABLE, HandoffMode, Pipeline, spec
 
-PIPELINES = [("P-MD", None), ("P-RLD-MD", "one-shot"), ("P-RLD-MD", "catch-up"), ("P-RLD", None)]
+# every routable pipeline, and each handoff mode where the pipeline hands over
+PIPELINES = [(p, mode) for p in ROUTABLE for mode in (list(HandoffMode) if spec(p).hands_over else [None])]
 MAX_TOKENS = 400  # long enough that MD's KV lands mid-stream (the tiny model decodes fast)
 
 
@@ -60,7 +63,7 @@ async def run_sessions(base_url: str, all_sessions, pipeline, handoff) -> list[t
 @pytest.mark.parametrize("pipeline, handoff", PIPELINES)
 def test_pipeline_matches_single_engine(system, reference, pipeline, handoff):
     """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone."""
-    from pdd.shared.engine import SamplingParams
+    from pdd.engine import SamplingParams
 
     all_sessions = sessions(10, 5, seed=PIPELINES.index((pipeline, handoff)))
     results = asyncio.run(run_sessions(system.base_url, all_sessions, pipeline, handoff))
@@ -93,7 +96,7 @@ def test_eager_tokens_reach_client_before_md_kv_lands(system):
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     request_id = json.loads(line[6:])["id"]
-    md_landed = wait_for_spans(system, lambda s: s["name"] == "kv.receive" and s["service"] == "pdd-decode"
+    md_landed = wait_for_spans(system, lambda s: s["name"] == "kv.receive" and s["service"] == "pdd-main-decode"
                                and s["attributes"].get("request_id") == request_id)[-1]["end_ns"]
     root = wait_for_spans(system, lambda s: s["name"] == "router.request"
                           and s["attributes"].get("request_id") == request_id)[-1]
@@ -192,8 +195,8 @@ def engines_idle(system) -> dict[str, dict]:
 
 
 def test_client_disconnect_cancels_and_frees_kv_everywhere(system):
-    for pipeline in ("P-MD", "P-RLD-MD", "P-RLD"):
-        body = body_for(list(range(20, 120)), pipeline, "catch-up" if pipeline == "P-RLD-MD" else None,
+    for pipeline in ROUTABLE:
+        body = body_for(list(range(20, 120)), pipeline, HandoffMode.CATCH_UP if spec(pipeline).hands_over else None,
                         stream=True)
         body["max_tokens"] = 400
         body["ignore_eos"] = True
@@ -214,3 +217,21 @@ def test_client_disconnect_cancels_and_frees_kv_everywhere(system):
                 break
             assert time.monotonic() < deadline, f"{pipeline}: KV not freed after disconnect: {busy}"
             time.sleep(0.2)
+
+
+def test_benchmark_client_times_every_output_position(system):
+    """The one benchmark client against the real router: per-chunk token counts (continuous usage) give
+    an arrival time for every output position, in order, whatever the chunking."""
+    from pdd.loadgen.client import stream
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            body = body_for(list(range(30, 90)), Pipeline.P_RLD_MD, stream=True, ignore_eos=True)
+            body.update(max_tokens=120, stream_options={"include_usage": True, "continuous_usage_stats": True})
+            return await stream(session, system.base_url + "/v1/completions", body, timeout_s=120)
+
+    s = asyncio.run(run())
+    assert s.status == 200 and s.error is None and s.exception is None
+    times = s.token_times()
+    assert times is not None and len(times) == s.output_tokens == len(s.token_ids) == 120
+    assert times == sorted(times) and times[0] > s.t_send

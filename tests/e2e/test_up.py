@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdd.shared.natsserver import free_port
+from pdd.services.launch.natsserver import free_port
 
 
 def alive(pid: int) -> bool:
@@ -32,7 +32,7 @@ def test_pdd_up_default_model_chat_then_sigterm(tmp_path):
 
     port = free_port()
     log = tmp_path / "up.log"
-    proc = subprocess.Popen([sys.executable, "-m", "pdd.services.cli", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.services.launch.cli", "up", "--port", str(port),
                              "--run-dir", str(tmp_path / "run"), "--wan", "rate=1gbit,delay=10ms"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -57,7 +57,7 @@ def test_pdd_up_default_model_chat_then_sigterm(tmp_path):
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [p for p in pids if alive(p)], log.read_text()
-        for name in ("router-0", "prefill-0", "relay-0", "decode-0"):
+        for name in ("router-0", "prefill-0", "relay-0", "main-decode-0"):
             assert "service_stopped" in (tmp_path / "run" / f"{name}.log").read_text()
     finally:
         if proc.poll() is None:

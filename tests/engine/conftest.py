@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.shared.engine import Engine
-from pdd.shared.engine.tiny import build_tiny_checkpoint
+from pdd.engine import Engine
+from pdd.engine.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(2)
 

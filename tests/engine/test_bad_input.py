@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pdd.shared.engine import (
+from pdd.engine import (
     DuplicateRequestError,
     EmptyPromptError,
     Engine,

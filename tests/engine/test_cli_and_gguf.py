@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pdd.services.cli import main
+from pdd.services.launch.cli import main
 
 
 def test_generate_json(llama_path, capsys):
@@ -30,9 +30,9 @@ def test_smollm2_gguf_matches_transformers():
     """3 prompts x 32 greedy tokens equal transformers' own GGUF loading of the same file."""
     from transformers import AutoModelForCausalLM
 
-    from pdd.shared.engine import Engine, SamplingParams
-    from pdd.shared.engine.loader import default_model_path
-    from pdd.shared.engine.tokenizer import render_chat
+    from pdd.engine import Engine, SamplingParams
+    from pdd.shared.model_files import default_model_path
+    from pdd.shared.tokenizer import render_chat
 
     try:
         path = default_model_path()

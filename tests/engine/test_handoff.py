@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pdd.shared.engine import EngineInputError, OutOfBlocks, SamplingParams
+from pdd.engine import EngineInputError, OutOfBlocks, SamplingParams
 
 from .conftest import make_engine, run_all
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from pdd.shared.engine import SamplingParams
+from pdd.engine import SamplingParams
 
 from .conftest import make_engine, run_all
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdd.shared.engine import SamplingParams
+from pdd.engine import SamplingParams
 from tests.engine.conftest import make_engine, run_all
 
 

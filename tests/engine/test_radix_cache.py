@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import random
 
-from pdd.shared.engine import SamplingParams, prefix_block_hashes
-from pdd.shared.engine.kv_pool import BlockAllocator
-from pdd.shared.engine.radix_cache import RadixCache
+from pdd.engine import SamplingParams
+from pdd.engine.kv_pool import BlockAllocator
+from pdd.engine.radix_cache import RadixCache
+from pdd.shared.block_hash import prefix_block_hashes
 
 from .conftest import make_engine
 

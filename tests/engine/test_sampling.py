@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdd.shared.engine import SamplingParams
-from pdd.shared.engine.sampling import position_seed, sample_rows
+from pdd.engine import SamplingParams
+from pdd.engine.sampling import position_seed, sample_rows
 
 from .conftest import make_engine, run_all
 

@@ -9,11 +9,11 @@ import asyncio
 
 import pytest
 
+from pdd.services.launch.natsserver import free_port, start_nats_server
+from pdd.services.router.registry import Registry
 from pdd.shared.bus import Bus, BusError
 from pdd.shared.config import NatsConfig
-from pdd.shared.natsserver import free_port, start_nats_server
 from pdd.shared.protocol import Announce, Ping, Pong, Subjects
-from pdd.shared.registry import Registry
 
 GUARD_S = 30  # hang guard only
 

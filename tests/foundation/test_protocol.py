@@ -1,4 +1,5 @@
 import dataclasses
+import enum
 
 import msgpack
 import pytest
@@ -21,7 +22,7 @@ def sample_submit() -> SubmitRequest:
 def test_every_message_type_round_trips():
     samples = {
         "submit": sample_submit(),
-        "tokens": TokenChunk(request_id="r", instance_id="md-0", role="decode", start=4, token_ids=[9, 8],
+        "tokens": TokenChunk(request_id="r", instance_id="md-0", role="main-decode", start=4, token_ids=[9, 8],
                              finish_reason="length"),
         "handoff_tokens": HandoffTokens(request_id="r", rld_instance="rld-0", start=1, token_ids=[5], mode="catch-up",
                                         final=False),
@@ -38,12 +39,25 @@ def test_every_message_type_round_trips():
             if f.name == "TYPE" or f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
                 continue
             hint = protocol._hints(cls)[f.name]
+            if isinstance(hint, type) and issubclass(hint, enum.Enum):
+                kwargs[f.name] = list(hint)[-1]
+                continue
             kwargs[f.name] = {int: 1, float: 1.5, str: "x", bool: True, dict: {"a": 1},
                               list[int]: [1, 2], SamplingSpec: SamplingSpec(max_tokens=4)}.get(hint, "x")
         samples[cls.TYPE] = cls(**kwargs)
     for msg in samples.values():
         assert decode(encode(msg)) == msg
 
+
+@pytest.mark.parametrize("field, value", [("pipeline", "P-XYZ"), ("pipeline", 3), ("handoff_mode", "sideways")])
+def test_enum_fields_reject_unknown_values_by_name(field: str, value: object) -> None:
+    body = protocol._to_wire(sample_submit())
+    body[field] = value
+    with pytest.raises(ProtocolError) as err:
+        decode(msgpack.packb({"v": 1, "t": "submit", "d": body}))
+    choices = "'P-MD'" if field == "pipeline" else "'one-shot'"
+    assert err.value.code == "bad_field"
+    assert f"submit.{field}" in err.value.message and choices in err.value.message
 
 @pytest.mark.parametrize(
     "data, code",
@@ -67,7 +81,7 @@ def test_bad_messages_raise_typed_errors(data, code):
 
 
 def test_oversize_is_rejected_before_parsing():
-    msg = TokenChunk(request_id="r", instance_id="i", role="decode", start=0, token_ids=list(range(1000)))
+    msg = TokenChunk(request_id="r", instance_id="i", role="main-decode", start=0, token_ids=list(range(1000)))
     with pytest.raises(ProtocolError) as info:
         decode(encode(msg), max_bytes=100)
     assert info.value.code == "oversize"

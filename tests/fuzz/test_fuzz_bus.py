@@ -30,8 +30,16 @@ from hypothesis import strategies as st
 
 from pdd.shared import protocol
 from pdd.shared.protocol import (
-    Announce, Cancel, Message, Ping, PrepareImport, ProtocolError, SamplingSpec, Subjects,
+    Announce,
+    Cancel,
+    Message,
+    Ping,
+    PrepareImport,
+    ProtocolError,
+    SamplingSpec,
+    Subjects,
 )
+from pdd.shared.roles import Role
 
 from .common import Tally, collect, examples, fuzz_settings
 from .conftest import ENGINES, ROUTER, assert_system_healthy, log_events, wait_router_view
@@ -116,7 +124,7 @@ PLAUSIBLE: dict[str, st.SearchStrategy] = {
     "request_id": RID, "instance_id": st.sampled_from(REAL_IDS + FAKE_IDS),
     "rld_instance": st.sampled_from(["rld-0", "rld-0", "fz-rld"]), "md_instance": st.sampled_from(["md-0", "md-0",
                                                                                                     "fz-md"]),
-    "role": st.sampled_from(["prefill", "relay", "decode", "router"]),
+    "role": st.sampled_from(list(Role)),
     "pipeline": st.sampled_from(["P-MD", "P-RLD-MD", "P-RLD"]),
     "events_subject": st.sampled_from([EVENTS, EVENTS, EVENTS, Subjects.router_events(ROUTER)]),
     "deadline_unix": st.floats(1, 4).map(Rel), "prompt_ids": token_run(1, 40), "output_ids": st.just([]),

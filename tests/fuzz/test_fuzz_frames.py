@@ -33,9 +33,18 @@ from hypothesis import strategies as st
 from pdd.shared.kv_layout import KVLayout
 from pdd.transports import create_transport
 from pdd.transports.errors import TransferCancelled, TransferError, TransferTimeout
-from pdd.transports.frames import (MAGIC, MAX_HEADER_BYTES, VERSION, FrameError, check_against_layout,
-                                   checksum, decode_header, error_class, verify_payload)
-from pdd.transports.receiver import ReceiveRegistry, TransferStats
+from pdd.transports.frames import (
+    MAGIC,
+    MAX_HEADER_BYTES,
+    VERSION,
+    FrameError,
+    check_against_layout,
+    checksum,
+    decode_header,
+    error_class,
+    verify_payload,
+)
+from pdd.transports.receive_side import ReceiveRegistry, TransferStats
 
 from .common import Tally, collect, examples, fuzz_settings
 

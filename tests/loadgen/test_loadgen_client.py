@@ -11,7 +11,7 @@ from aiohttp import web
 from pdd.loadgen.client import send
 from pdd.loadgen.report import parse_goodput, summarize
 from pdd.loadgen.runner import LoadConfig, run_load
-from pdd.loadgen.scrape import pdd_figures, parse, scrape
+from pdd.loadgen.scrape import parse, pdd_figures, scrape
 from pdd.loadgen.workload import random_specs
 
 FIRST_DELAY, TOKEN_DELAY = 0.05, 0.01
@@ -84,7 +84,9 @@ async def server():
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
 async def test_client_measures_stream(server, endpoint):
-    import aiohttp, time
+    import time
+
+    import aiohttp
 
     fake, base = server
     spec = random_specs(1, 10, 5, seed=0)[0]
@@ -98,7 +100,9 @@ async def test_client_measures_stream(server, endpoint):
 
 
 async def test_failures_are_counted_not_raised(server):
-    import aiohttp, time
+    import time
+
+    import aiohttp
 
     _, base = server
     spec = random_specs(1, 10, 5, seed=0)[0]
@@ -146,7 +150,7 @@ def test_goodput_parse_errors():
 
 async def test_cli_end_to_end(server, tmp_path):
     """`pdd bench` through the real CLI dispatcher: JSON, per-request records, CDF plot."""
-    from pdd.services.cli import main
+    from pdd.services.launch.cli import main
 
     _, base = server
     out = tmp_path / "run.json"

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from pdd.loadgen.workload import (
-    AgenticConfig, HitDistribution, agentic_arrays, agentic_sessions, random_specs, sharegpt_specs,
+    AgenticConfig,
+    HitDistribution,
+    agentic_arrays,
+    agentic_sessions,
+    random_specs,
+    sharegpt_specs,
 )
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from pdd.services.cli import build_parser
+from pdd.services.launch.cli import build_parser
+from pdd.services.launch.natsserver import nats_server_binary
 from pdd.shared.config import load_config
-from pdd.shared.natsserver import nats_server_binary
+from pdd.shared.roles import Role
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
@@ -65,7 +66,7 @@ def _subnet(network: str) -> ipaddress.IPv4Network:
 
 def test_all_roles_and_infrastructure_present() -> None:
     roles = sorted(svc["command"][2] for svc in SERVE.values())
-    assert roles == ["decode", "prefill", "relay", "router"]
+    assert roles == sorted(Role)
     for name in ("wan", "nats-a", "nats-b", "jaeger", "prometheus", "grafana"):
         assert name in SERVICES, name
     assert set(COMPOSE["networks"]) == {"site-a", "site-b"}
@@ -86,7 +87,7 @@ def test_every_mounted_config_passes_pdd_config_check(name: str) -> None:
     svc = SERVE[name]
     path = _config_of(svc)
     assert path.is_file(), path
-    result = subprocess.run([sys.executable, "-m", "pdd.services.cli", "config", "check", str(path)],
+    result = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "config", "check", str(path)],
                             capture_output=True, text=True, timeout=60, cwd=REPO)
     assert result.returncode == 0, result.stderr
     config = load_config(path, environ={})
@@ -115,10 +116,10 @@ def test_kv_endpoints_are_reachable_addresses() -> None:
             options = getattr(config.transports, kind).options
             if "advertise_host" in options:
                 assert options["advertise_host"] == ip, f"{name}: transports.{kind} advertises the wrong address"
-    decode = load_config(_config_of(SERVE["decode"]), environ={})
+    decode = load_config(_config_of(SERVE["main-decode"]), environ={})
     assert decode.transports.wan.name == "zmq" and decode.transports.wan.options["curve"]["secret_key_file"]
     key_file = decode.transports.wan.options["curve"]["secret_key_file"]
-    keygen = SERVICES["keys-decode"]["command"]
+    keygen = SERVICES["keys-main-decode"]["command"]
     assert key_file == f"{keygen[keygen.index('--out') + 1]}/{keygen[keygen.index('--name') + 1]}.key_secret"
     relay = load_config(_config_of(SERVE["relay"]), environ={})
     assert relay.transports.fast.name == "ucx"

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from pdd.services.cli import main
-from pdd.services.timeline import TraceError, build_timeline, load_spans, select_trace
-from pdd.services.trace_cli import render_timeline
+from pdd.services.launch.cli import main
+from pdd.services.traceview.cli import render_timeline
+from pdd.services.traceview.timeline import TraceError, build_timeline, load_spans, select_trace
 from pdd.shared.telemetry import JsonlSpanExporter
 
 STAGES = ["router.request", "prefill", "kv.transfer.fast", "kv.transfer.wan", "kv.receive", "relay.decode",
@@ -34,7 +34,7 @@ class _Services:
 
     def __init__(self, path: Path) -> None:
         self.providers = {}
-        for name in ("pdd-router", "pdd-prefill", "pdd-relay", "pdd-decode"):
+        for name in ("pdd-router", "pdd-prefill", "pdd-relay", "pdd-main-decode"):
             provider = TracerProvider(resource=Resource.create({"service.name": name}))
             provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(path))))
             self.providers[name] = provider
@@ -65,14 +65,14 @@ def write_p_rld_md(svc: _Services, request_id: str, offset_ms: float = 0.0) -> N
     fast = svc.span("pdd-prefill", "kv.transfer.fast", pre, o + 118, o + 131, bytes=176_160_768, gbps=108.4)
     svc.span("pdd-relay", "kv.receive", fast, o + 119, o + 131, bytes=176_160_768)
     wan = svc.span("pdd-prefill", "kv.transfer.wan", pre, o + 118, o + 612, bytes=154_140_672, gbps=2.5)
-    svc.span("pdd-decode", "kv.receive", wan, o + 121, o + 612, bytes=154_140_672)
+    svc.span("pdd-main-decode", "kv.receive", wan, o + 121, o + 612, bytes=154_140_672)
     relay = svc.span("pdd-relay", "relay.decode", root, o + 132, o + 700, tokens=70)
-    main_decode = svc.span("pdd-decode", "main.decode", root, o + 615, o + 975, tokens=185)
+    main_decode = svc.span("pdd-main-decode", "main.decode", root, o + 615, o + 975, tokens=185)
     start, t = 1, 615.0
     for count, final in ((48, False), (16, False), (6, True)):
         batch = svc.span("pdd-relay", "handoff.batch", relay, o + t, o + t + 2, start=start, count=count,
                          mode="catch-up", final=final)
-        svc.span("pdd-decode", "extend", batch, o + t + 4, o + t + 4 + count * 0.4, tokens=count)
+        svc.span("pdd-main-decode", "extend", batch, o + t + 4, o + t + 4 + count * 0.4, tokens=count)
         start, t = start + count, t + 4 + count * 0.4 + 8
     assert main_decode
 
@@ -83,8 +83,8 @@ def write_p_md(svc: _Services, request_id: str, offset_ms: float) -> None:
     root = svc.span("pdd-router", "router.request", None, o, o + 400, request_id=request_id, pipeline="P-MD")
     pre = svc.span("pdd-prefill", "prefill", root, o + 2, o + 20, prompt_tokens=4096, cached_tokens=4000)
     wan = svc.span("pdd-prefill", "kv.transfer.wan", pre, o + 20, o + 45, bytes=3_538_944, gbps=1.1)
-    svc.span("pdd-decode", "kv.receive", wan, o + 21, o + 45, bytes=3_538_944)
-    svc.span("pdd-decode", "main.decode", root, o + 46, o + 398, tokens=200)
+    svc.span("pdd-main-decode", "kv.receive", wan, o + 21, o + 45, bytes=3_538_944)
+    svc.span("pdd-main-decode", "main.decode", root, o + 46, o + 398, tokens=200)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_span_file_has_one_tree_per_request(span_file: Path) -> None:
     assert [r["name"] for r in roots] == ["router.request"]
     assert all(s["parent_span_id"] in ids for s in picked if s is not roots[0])
     assert {s["name"] for s in picked} == set(STAGES)
-    assert {s["service"] for s in picked} == {"pdd-router", "pdd-prefill", "pdd-relay", "pdd-decode"}
+    assert {s["service"] for s in picked} == {"pdd-router", "pdd-prefill", "pdd-relay", "pdd-main-decode"}
 
 
 def test_timeline_rows_follow_the_tree(span_file: Path) -> None:
@@ -114,7 +114,7 @@ def test_timeline_rows_follow_the_tree(span_file: Path) -> None:
     titles = [r.title for r in tl.rows]
     assert titles[0] == "router.request · pdd-router" and tl.rows[0].depth == 0
     wan = titles.index("kv.transfer.wan · pdd-prefill")
-    assert titles[wan + 1] == "kv.receive · pdd-decode" and tl.rows[wan + 1].depth == tl.rows[wan].depth + 1
+    assert titles[wan + 1] == "kv.receive · pdd-main-decode" and tl.rows[wan + 1].depth == tl.rows[wan].depth + 1
     handoff = tl.rows[titles.index("handoff.batch · pdd-relay")]
     assert len(handoff.bars) == 3 and "3 batches: 48+16+6 tok" in handoff.label and "catch-up" in handoff.label
     assert tl.rows[0].bars[0].start_ms == 0.0 and tl.total_ms == pytest.approx(980, abs=0.01)
@@ -196,7 +196,7 @@ def test_orphan_and_unfinished_spans_still_render(tmp_path: Path) -> None:
         '{"name":"router.request","trace_id":"t1","span_id":"a","parent_span_id":null,"start_ns":0,'
         '"end_ns":5000000,"service":"pdd-router","attributes":{"request_id":"r1"},"status":"UNSET","events":[]}',
         '{"name":"extend","trace_id":"t1","span_id":"b","parent_span_id":"lost","start_ns":1000000,'
-        '"end_ns":null,"service":"pdd-decode","attributes":{},"status":"ERROR","events":[]}',
+        '"end_ns":null,"service":"pdd-main-decode","attributes":{},"status":"ERROR","events":[]}',
     )]
     tl = build_timeline(spans)
     bar = tl.rows[1].bars[0]

@@ -19,10 +19,10 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdd.engine.tiny import build_tokenizer
 from pdd.services.router.api import create_app
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
-from pdd.shared.engine.tiny import build_tokenizer
 
 MODEL = "tiny-test"
 OUTPUT = "Hello world! How are you today? I am fine, thank you."
@@ -58,7 +58,7 @@ class FakeBackend:
         return self.is_ready
 
     def health(self) -> dict:
-        return {"instances": {"prefill": 1, "relay": 1, "decode": 1}}
+        return {"instances": {"prefill": 1, "relay": 1, "main-decode": 1}}
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         self.requests.append(req)
@@ -270,6 +270,31 @@ async def test_completion_streaming(client, backend):
     assert text == backend.tokenizer.decode(backend.output_ids[:5])
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "Hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})])
+async def test_continuous_usage_counts_the_tokens_each_chunk_carries(client, backend, path, body):
+    """vLLM's continuous_usage_stats: cumulative usage on every chunk, so a client can time each output
+    position even when one chunk carries several tokens (here 3 per backend event)."""
+    backend.chunk = 3
+    r = await client.post(path, json={**body, "stream": True, "max_tokens": 7, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    chunks = _sse_events(r.text)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0 for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 7
+    content = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or c["choices"][0].get("delta", {})
+                                                      .get("content"))]
+    grew = [b - a for a, b in zip([0] + counts, counts)]
+    assert max(grew) == 3 and sum(grew) == 7  # a chunk that carried 3 tokens says so
+    assert len(content) < 7
+
+
+async def test_continuous_usage_needs_include_usage(client, backend):
+    r = await client.post("/v1/completions", json={"prompt": "Hi", "stream": True, "max_tokens": 4,
+                                                   "stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in _sse_events(r.text)[:-1])
 
 
 # ---- stop strings and UTF-8 --------------------------------------------------------------------

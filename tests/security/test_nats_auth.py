@@ -13,9 +13,9 @@ import sys
 import nats
 import pytest
 
+from pdd.services.launch.natsserver import ServerTLS, start_nats_server
 from pdd.shared.bus import Bus, BusConnectError, BusError, connect_options
 from pdd.shared.config import ConfigError, NatsConfig
-from pdd.shared.natsserver import ServerTLS, start_nats_server
 from pdd.shared.protocol import Ping, Pong, Subjects
 
 HANG_GUARD_S = 30  # only there so a broken build fails instead of hanging; not a timing claim

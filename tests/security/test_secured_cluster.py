@@ -15,10 +15,10 @@ import urllib.request
 import pytest
 import yaml
 
-from pdd.services.local_cluster import LocalCluster, two_site_layout
+from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.services.launch.natsserver import ServerTLS, start_nats_server
 from pdd.shared.bus import Bus
 from pdd.shared.config import NatsConfig
-from pdd.shared.natsserver import ServerTLS, start_nats_server
 from pdd.shared.protocol import CacheQuery, CacheQueryReply, Ping, Pong, Subjects
 from tests.helpers import ServiceProcess
 from tests.security.test_nats_auth import request_retrying

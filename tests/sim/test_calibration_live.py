@@ -18,7 +18,7 @@ import pytest
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
 from pdd.sim.calibrate import BenchRun, compare, fit, predict, to_bench_json
 from pdd.sim.costmodel import CostModel
-from pdd.sim.engine import SimInput, simulate
+from pdd.sim.event_loop import SimInput, simulate
 from pdd.sim.scenario import unit_poisson
 
 # service-time multipliers with a straggler tail: most requests near the line, one in ten twice as slow

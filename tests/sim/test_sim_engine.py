@@ -4,11 +4,13 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
+from pdd.shared.pipelines import ROUTABLE
 from pdd.sim.costmodel import CostModel
-from pdd.sim.engine import P_RLD, P_RLD_MD, SimInput, simulate
+from pdd.sim.event_loop import BASELINE_PD, P_D, P_RLD, P_RLD_MD, PIPELINE_NAMES, SimInput, simulate
 from pdd.sim.hardware import WanLink
 from pdd.sim.scenario import Scenario, load_yaml, unit_poisson
 
@@ -93,3 +95,9 @@ def test_report_scenario_builds_every_system():
         r = simulate(scn.sim_input(name, split, 0.5, wl, unit_poisson(50, 0)))
         assert r.completed == 50
     assert scn.hardware_cost("pdd") < scn.hardware_cost("baseline")
+
+
+def test_pipeline_names_come_from_the_pipeline_declaration():
+    assert PIPELINE_NAMES[P_D] == BASELINE_PD
+    assert [PIPELINE_NAMES[c] for c in sorted(PIPELINE_NAMES) if c != P_D] == [p.value for p in ROUTABLE]
+    assert BASELINE_PD not in {p.value for p in ROUTABLE}

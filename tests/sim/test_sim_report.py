@@ -8,14 +8,14 @@ import pytest
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
 from pdd.sim.calibrate import BenchRun, compare, fit, predict, to_bench_json
 from pdd.sim.costmodel import CostModel
-from pdd.sim.engine import SimInput, simulate
+from pdd.sim.event_loop import SimInput, simulate
 from pdd.sim.scenario import unit_poisson
 
 KEYS = {"ttft_reduction", "goodput_gain", "hw_cost_change", "wan_bandwidth_ratio", "rld_token_share"}
 
 
 def test_report_cli_last_line_is_json(tmp_path, capsys):
-    from pdd.services.cli import main
+    from pdd.services.launch.cli import main
 
     rc = main(["sim", "report", "--num-requests", "300", "--no-sensitivity", "--out-dir", str(tmp_path)])
     assert rc == 0
@@ -53,7 +53,7 @@ def test_calibration_recovers_coefficients_and_predicts_holdout(tmp_path):
 
 
 def test_calibrate_cli(tmp_path, capsys):
-    from pdd.services.cli import main
+    from pdd.services.launch.cli import main
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_synthetic_run(1, 0.5)))
@@ -67,6 +67,6 @@ def test_import_is_cheap():
     import subprocess
     import sys
 
-    code = "import sys, pdd.sim, pdd.sim.engine, pdd.loadgen.workload; print('matplotlib' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, pdd.sim, pdd.sim.event_loop, pdd.loadgen.workload; print('matplotlib' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdd.transports.blocks import FramePlan, byte_view, gather
-from pdd.transports.frames import (ChecksumMismatch, FrameError, FrameHeader, FrameTruncated, LayoutMismatch,
-                                   MalformedHeader, OversizeFrame, UnexpectedFrame, checksum, decode_header)
-from pdd.transports.receiver import ReceiveRegistry
+from pdd.transports.frames import (
+    ChecksumMismatch,
+    FrameError,
+    FrameHeader,
+    FrameTruncated,
+    LayoutMismatch,
+    MalformedHeader,
+    OversizeFrame,
+    UnexpectedFrame,
+    checksum,
+    decode_header,
+)
+from pdd.transports.receive_side import ReceiveRegistry
 
 from .conftest import layout_for, make_pool, snapshot, unchanged
 

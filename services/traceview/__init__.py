@@ -1,0 +1,1 @@
+"""The trace viewer (`pdd trace`): a request's handoff timeline from its spans, as HTML and PNG."""
