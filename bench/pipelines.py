@@ -1,29 +1,38 @@
-"""PDD end-to-end benchmark: one agentic multi-turn workload, three deployments, one run.
+"""PDD against cross-site PD baselines, same rules for every setup: TTFT, TT2, goodput, WAN bytes.
 
-Setups, started one after another on this machine (real processes: nats-server, router, P, RLD, MD):
-  1. colocated  P and MD in one site: no WAN shaping; pipeline forced P-MD; MD keeps its
-                Decode-side RadixCache (DRC).
-  2. naive      cross-site PD: always P->MD (forced), WAN shaped, MD without DRC
-                (PDD__MODEL__ENABLE_PREFIX_CACHE=false on MD only), so the full prompt KV crosses
-                the WAN on every turn.
-  Both baselines are conventional PD (router.first_token_after_kv): the client's first token
-  arrives once the decoder has the KV, as in vLLM/SGLang PD; PDD streams it from P at once.
-  3. pdd        the router's policy chooses the pipeline per request (no forced pipeline), MD with
-                DRC, relay available, WAN shaped.
+Setups (real processes each: nats-server, router, P, RLD, MD; built-in SmolLM2-135M-Instruct):
+  colocated      P and MD in one site, no WAN; forced P-MD; MD keeps its decode-side radix cache.
+  naive          cross-site PD: forced P-MD over the emulated WAN, MD without a decode-side cache
+                 (the whole prompt's KV crosses on every turn).
+  naive-stream0  naive, but P streams output position 0 at once (as PDD does): isolates what the
+                 relay masks, the wait for position 1.
+  pdd            the router's policy picks P-MD / P-RLD-MD / P-RLD per request; MD with its cache.
 
-Workload (identical prompts in all three setups, greedy decoding): agent sessions whose next turn
-is the previous prompt + the previous answer (the returned token ids) + new user/tool tokens; every
-session starts with a shared system prompt plus a long fresh task (the low-hit requests); a minority
-of turns carry a long tool output (mid-hit). Client-side TTFT/ITL come from the SSE stream (each
-chunk's arrival time). Model: built-in SmolLM2-135M-Instruct, fp32 KV = 46,080 B/token.
+First-token rules (what the client sees, stated and equal): colocated and naive release position 0
+when their decoder streams (conventional PD, the report's baseline); naive-stream0 and pdd stream it
+from P at once. Every time is taken per output position (per-chunk token counts from
+stream_options.continuous_usage_stats), never per SSE chunk: TTFT = position 0, TT2 = position 1,
+handoff stall = the largest gap among the first 64 positions / the request's median gap.
 
-Run: python bench/pipelines.py [--sessions 6 --turns 10 --rate 300mbit ...]   (no args: a few minutes)
-Last stdout line: one JSON object with every figure and ratio.
+The run, in order:
+  1. colocated: a short sequential calibration run, the repeats (one per seed), then its goodput.
+  2. WAN calibration, from the baselines only: the emulated WAN rate is bisected (log scale) on short
+     sequential naive runs until naive's P50 TTFT / colocated's P50 TTFT = 1.6 ± 0.1 (the report's
+     6.7 s / 4.2 s). No PDD figure exists yet. --wan-rate skips this and uses the given rate.
+  3. naive, naive-stream0, pdd at that rate: the repeats, then goodput.
+Workload (per seed): agent sessions (a shared system prompt + a fresh task, then turns that append
+an answer and new user/tool tokens; some turns carry a long tool output) plus ~3.5 % anomalous
+long-input / short-output requests; the hit bins are printed. Repeats run the sessions closed-loop
+(think time between turns); goodput = the highest open-loop Poisson request rate at which >= 90 % of
+requests meet the SLO (TT2 and mean ITL <= 1.5 x colocated's p90 from its repeats), by geometric
+bisection; a setup that sustains no tried rate reports the lowest rate as an upper bound, flagged.
 
-Why one module: it is one benchmark, read top to bottom (setups, workload, figures, report); the
-parts share its per-request records and arguments and mean nothing apart. The client, the metrics
-parser and the cluster it uses are the shared ones (loadgen/client.py, loadgen/scrape.py,
-services/launch/local_cluster.py).
+Run: python bench/pipelines.py [--seeds 3 --wan-rate 200mbit ...]   Last stdout line: one JSON object.
+
+Why one module: it is one benchmark, read top to bottom (setups, workload, drivers, figures,
+report); the parts share its per-request records and arguments and mean nothing apart. The client,
+position timing, statistics, metrics parser and cluster are the shared ones (loadgen/client.py,
+loadgen/positions.py, loadgen/stats.py, loadgen/scrape.py, services/launch/local_cluster.py).
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import statistics
@@ -42,241 +50,274 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdd.loadgen.positions import PositionTimes
+from pdd.loadgen.stats import Bisection, bisect_geometric, highest_passing, mean_ci95, pct
 from pdd.loadgen.workload import WORDS as _WORDS  # one-token English words
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
-from pdd.shared.pipelines import HandoffMode, Pipeline
+from pdd.shared.pipelines import Pipeline
 
-SETUPS = ("colocated", "naive", "pdd")
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: 46,080 B/token
+TARGET_RATIO, RATIO_TOLERANCE = 1.6, 0.1  # the report: naive P50 TTFT 6.7 s / same-site 4.2 s
+SLO_SHARE = 0.9  # goodput: the share of requests that must meet the SLO
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    cross_site: bool  # MD in site B behind the emulated WAN
+    forced: Pipeline | None  # None: the router's policy chooses
+    md_cache: bool  # MD keeps a decode-side radix cache
+    holds_first_token: bool  # position 0 waits until the decoder streams (router.first_token_after_kv)
+
+    @property
+    def rule(self) -> str:
+        first = "held until the decoder streams" if self.holds_first_token else "streamed by P at once"
+        path = self.forced or "policy"
+        return (f"{self.name}: {'cross-site' if self.cross_site else 'one site'}, {path}, "
+                f"MD cache {'on' if self.md_cache else 'off'}, position 0 {first}")
+
+
+SETUPS = {s.name: s for s in (
+    Setup("colocated", cross_site=False, forced=Pipeline.P_MD, md_cache=True, holds_first_token=True),
+    Setup("naive", cross_site=True, forced=Pipeline.P_MD, md_cache=False, holds_first_token=True),
+    Setup("naive-stream0", cross_site=True, forced=Pipeline.P_MD, md_cache=False, holds_first_token=False),
+    Setup("pdd", cross_site=True, forced=None, md_cache=True, holds_first_token=False),
+)}
 
 
 # ---------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------
-class System:
-    """nats-server + router + P + RLD + MD for one setup (a LocalCluster with this setup's config)."""
+def setup_config(setup: Setup, args: argparse.Namespace, wan_rate: str | None, spans_path: Path) -> dict:
+    """The deployment config of one setup; the WAN shaper sits on P's WAN transport."""
+    from pdd.transports import ucx_available
 
-    def __init__(self, name: str, run_dir: Path, args: argparse.Namespace):
-        self.name = name
-        self.run_dir = run_dir
-        self.args = args
+    wan_opts: dict[str, Any] = {"streams": 2}
+    if setup.cross_site and wan_rate:
+        wan_opts["shape"] = {"rate": wan_rate, "delay": args.delay, "jitter": args.jitter}
+    policy: dict[str, Any] = {"handoff_catch_up_threshold": args.catch_up_threshold,
+                              "anomalous_min_prompt_tokens": args.anomalous_min_prompt_tokens,
+                              "anomalous_max_output_tokens": args.anomalous_max_output_tokens}
+    if wan_rate:
+        from pdd.transports.units import rate_bits
+
+        policy["default_wan_gbps"] = rate_bits(wan_rate) / 1e9
+    router: dict[str, Any] = {"request_timeout_s": 600, "first_token_after_kv": setup.holds_first_token}
+    if setup.forced:
+        router["forced_pipeline"] = setup.forced.value
+    return {
+        "model": {"path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
+                  "threads": args.threads, "max_prefill_tokens": 2048},
+        **two_site_layout(main_decode_site="site-b" if setup.cross_site else "site-a"),
+        "transports": {"fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
+                       "wan": {"name": "zmq", "options": wan_opts}},
+        "router": router,
+        "policy": policy,
+        "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
+        "telemetry": {"exporter": "jsonl", "jsonl_path": str(spans_path), "log_format": "json"},
+    }
+
+
+class System:
+    """One setup's processes (a LocalCluster) and its span file."""
+
+    def __init__(self, setup: Setup, run_dir: Path, args: argparse.Namespace, wan_rate: str | None):
+        self.setup = setup
         self.spans_path = run_dir / "spans.jsonl"
         env = {} if args.ucx_python_future else {"UCXPY_ENABLE_PYTHON_FUTURE": "0"}
-        naive_md = {"md-0": {"PDD__MODEL__ENABLE_PREFIX_CACHE": "false"}} if name == "naive" else {}
-        self.cluster = LocalCluster(run_dir, self.config(), env=env, instance_env=naive_md)
+        no_cache = {} if setup.md_cache else {"md-0": {"PDD__MODEL__ENABLE_PREFIX_CACHE": "false"}}
+        self.cluster = LocalCluster(run_dir, setup_config(setup, args, wan_rate, self.spans_path), env=env,
+                                    instance_env=no_cache)
 
     @property
     def base_url(self) -> str:
         return self.cluster.base_url
 
-    def config(self) -> dict:
-        a = self.args
-        wan_opts: dict[str, Any] = {"streams": 2}
-        if self.name != "colocated":
-            wan_opts["shape"] = {"rate": a.rate, "delay": a.delay, "jitter": a.jitter}
-        from pdd.transports.units import rate_bits
-
-        policy = {"handoff_catch_up_threshold": a.catch_up_threshold,
-                  "default_wan_gbps": rate_bits(a.rate) / 1e9}
-        from pdd.transports import ucx_available
-
-        fast = "ucx" if ucx_available() else "zmq"
-        return {
-            "model": {"path": a.model, "kv_memory_mb": a.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
-                      "threads": a.threads, "max_prefill_tokens": 2048},
-            **two_site_layout(main_decode_site="site-a" if self.name == "colocated" else "site-b"),
-            "transports": {"fast": {"name": fast, "options": {}}, "wan": {"name": "zmq", "options": wan_opts}},
-            # the baselines are conventional PD: the client's first token waits for the decoder's KV
-            "router": {"request_timeout_s": 600, "first_token_after_kv": self.name != "pdd"},
-            "policy": policy,
-            "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
-            "telemetry": {"exporter": "jsonl", "jsonl_path": str(self.spans_path), "log_format": "json"},
-        }
-
     def start(self, timeout: float = 300.0) -> float:
         return self.cluster.start(timeout)
 
-    def pids(self) -> list[int]:
-        return [m.proc.pid for m in self.cluster.members.values()] + [self.cluster.nats.pid]
-
-    def metrics_url(self, iid: str) -> str | None:
-        return self.base_url + "/metrics" if iid == "router-0" else self.cluster.members[iid].metrics_url
-
     def stop(self) -> None:
         self.cluster.stop()
+
+    def wan_bytes(self) -> float:
+        """P's WAN bytes so far (pdd:wan_bytes_total)."""
+        from pdd.loadgen.scrape import scrape_sync
+
+        samples = scrape_sync(self.cluster.members["p-0"].metrics_url) or {}
+        return sum(v for (name, _), v in samples.items() if name in ("pdd:wan_bytes_total", "pdd_wan_bytes_total"))
 
 
 # ---------------------------------------------------------------------------------------------
 # workload
 # ---------------------------------------------------------------------------------------------
 @dataclass
-class SessionPlan:
-    sid: int
-    start_at: float  # seconds after the run starts
-    first_prompt: list[int]  # shared system prompt + fresh task
-    new_tokens: list[list[int]]  # per later turn: new user/tool tokens appended
-    think_s: list[float]
+class Planned:
+    """One request, fixed before any run: its prompt does not depend on what a setup answered (the
+    previous answer in a later turn is a stand-in of the same length), so every setup and every
+    driver sends identical requests."""
+
+    session: int
+    turn: int
+    kind: str  # "first" (fresh task) | "turn" | "tool" (long tool output) | "anomalous"
+    prompt: list[int]
+    max_tokens: int
+    reuse: int  # leading tokens a warm cache holds from this session's previous request
+
+    @property
+    def hit(self) -> float:
+        return self.reuse / len(self.prompt)
 
 
-def word_ids(model_path: str) -> tuple[list[int], int]:
+def word_ids(model_path: str) -> list[int]:
+    """Token ids of one-token English words of the model's tokenizer (prompts of real tokens)."""
     from pdd.shared.model_files import resolve_model_path
     from pdd.shared.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path(model_path))
-    ids = []
-    for w in _WORDS:
-        enc = tok.encode(" " + w, add_special_tokens=False)
-        if len(enc) == 1:
-            ids.append(enc[0])
-    return sorted(set(ids)), len(tok)
+    ids = {enc[0] for w in _WORDS if len(enc := tok.encode(" " + w, add_special_tokens=False)) == 1}
+    return sorted(ids)
 
 
-def build_workload(args: argparse.Namespace, vocab_ids: list[int]) -> list[SessionPlan]:
-    rng = random.Random(args.seed)
+def build_requests(seed: int, sessions: int, args: argparse.Namespace, vocab: list[int]) -> list[Planned]:
+    rng = random.Random(seed)
 
     def text(n: int) -> list[int]:
-        return [rng.choice(vocab_ids) for _ in range(n)]
+        return [rng.choice(vocab) for _ in range(n)]
 
-    system = text(args.system_tokens)
-    plans = []
-    for s in range(args.sessions):
-        task = text(rng.randint(int(args.task_tokens * 0.8), int(args.task_tokens * 1.2)))
-        news, thinks = [], []
-        for _ in range(args.turns - 1):
-            if rng.random() < args.long_tool_fraction:
-                news.append(text(rng.randint(args.long_tool_tokens // 2, args.long_tool_tokens)))
-            else:
-                news.append(text(rng.randint(args.new_tokens // 2, args.new_tokens * 3 // 2)))
-            thinks.append(rng.uniform(0.5 * args.think_s, 1.5 * args.think_s))
-        plans.append(SessionPlan(s, s * args.stagger_s, system + task, news, thinks))
-    return plans
+    system = text(args.system_tokens)  # shared by every session of this seed (tool definitions, rules)
+    out: list[Planned] = []
+    for s in range(sessions):
+        prompt = system + text(rng.randint(int(args.task_tokens * 0.8), int(args.task_tokens * 1.2)))
+        out.append(Planned(s, 0, "first", prompt, args.output_tokens, len(system)))
+        for turn in range(1, args.turns):
+            long_tool = rng.random() < args.long_tool_fraction
+            new = args.long_tool_tokens if long_tool else rng.randint(args.new_tokens // 2, args.new_tokens * 3 // 2)
+            previous = prompt
+            prompt = previous + text(args.output_tokens) + text(new)  # the answer's stand-in, then new tokens
+            out.append(Planned(s, turn, "tool" if long_tool else "turn", prompt, args.output_tokens, len(previous)))
+    n_anomalous = max(1, round(args.anomalous_share * len(out) / (1 - args.anomalous_share)))
+    for i in range(n_anomalous):
+        out.append(Planned(sessions + i, 0, "anomalous", system + text(args.anomalous_prompt_tokens - len(system)),
+                           args.anomalous_output_tokens, len(system)))
+    return out
 
 
+HIT_BINS = ((0.0, 0.5), (0.5, 0.9), (0.9, 0.95), (0.95, 0.98), (0.98, 1.01))
+
+
+def workload_shape(requests: list[Planned]) -> dict[str, Any]:
+    hits = [r.hit for r in requests]
+    return {"requests": len(requests), "mean_hit": round(statistics.fmean(hits), 4),
+            "share_hit_gt_95": round(sum(h > 0.95 for h in hits) / len(hits), 4),
+            "anomalous_share": round(sum(r.kind == "anomalous" for r in requests) / len(requests), 4),
+            "bins": {f"{lo:.2f}-{min(hi, 1.0):.2f}": sum(lo <= h < hi for h in hits) for lo, hi in HIT_BINS},
+            "prompt_tokens_mean": round(statistics.fmean(len(r.prompt) for r in requests), 1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# drivers
+# ---------------------------------------------------------------------------------------------
 @dataclass
 class Result:
-    session: int
-    turn: int
-    prompt_tokens: int
-    reuse_tokens: int  # prefix a warm cache could hold: previous prompt + previous answer
+    planned: Planned
     ok: bool = False
     error: str = ""
-    t_send: float = 0.0
-    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, chars) per content chunk
+    positions: PositionTimes | None = None
     output_tokens: int = 0
     info: dict = field(default_factory=dict)
     request_id: str = ""
 
-    @property
-    def ttft(self) -> float | None:
-        return self.chunks[0][0] - self.t_send if self.chunks else None
 
-    @property
-    def tt2(self) -> float | None:
-        """Time to the second streamed chunk: the first token a decoder (not P) produced."""
-        return self.chunks[1][0] - self.t_send if len(self.chunks) > 1 else None
-
-    @property
-    def e2e(self) -> float | None:
-        return self.chunks[-1][0] - self.t_send if self.chunks else None
-
-    @property
-    def gaps(self) -> list[float]:
-        return [b[0] - a[0] for a, b in zip(self.chunks, self.chunks[1:])]
-
-    @property
-    def mean_itl(self) -> float | None:
-        if self.output_tokens < 2 or len(self.chunks) < 2:
-            return None
-        return (self.chunks[-1][0] - self.chunks[0][0]) / (self.output_tokens - 1)
-
-    @property
-    def hit(self) -> float:
-        return self.reuse_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+def request_body(prompt: list[int], max_tokens: int) -> dict:
+    # usage on every chunk: how many tokens each chunk carried, so times are per output position
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "pdd": {"return_token_ids": True}}
 
 
-def request_body(prompt: list[int], max_tokens: int, pipeline: str | None, stream: bool = True) -> dict:
-    pdd: dict[str, Any] = {"return_token_ids": True}
-    if pipeline:
-        pdd["pipeline"] = pipeline
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream,
-            "pdd": pdd}
-    if stream:  # usage on every chunk: the token count each chunk carries (positions, not chunks)
-        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return body
-
-
-async def stream_one(session, base_url: str, body: dict, res: Result) -> list[int]:
-    """One streamed request into ``res``: each content chunk's arrival and size, the `pdd` info;
-    returns the output token ids (empty on failure)."""
+async def send(session, base_url: str, planned: Planned) -> Result:
     from pdd.loadgen.client import stream
 
-    s = await stream(session, base_url + "/v1/completions", body)
-    res.t_send = s.t_send
-    res.request_id = s.id
-    res.chunks = [(c.t, len(c.text)) for c in s.content_chunks]
-    res.info = s.info
-    if s.exception is not None:
-        res.error = f"{type(s.exception).__name__}: {s.exception}"[:300]
-        return []
-    if s.status != 200:
-        res.error = f"HTTP {s.status}: {s.body_text[:300]}"
-        return []
-    if s.error is not None:
-        res.error = json.dumps(s.error)[:300]
-        return []
-    ids = s.token_ids
-    res.output_tokens = len(ids)
-    res.ok = bool(ids)
-    return ids
+    s = await stream(session, base_url + "/v1/completions", request_body(planned.prompt, planned.max_tokens))
+    res = Result(planned, request_id=s.id, info=s.info)
+    if s.exception is not None or s.status != 200 or s.error is not None:
+        res.error = (f"{type(s.exception).__name__}: {s.exception}" if s.exception is not None
+                     else f"HTTP {s.status}: {s.body_text[:200]}" if s.status != 200 else json.dumps(s.error))[:300]
+        return res
+    times = s.token_times()
+    if times is None or len(times) != planned.max_tokens:
+        res.error = f"stream gave {len(times or [])} positions, expected {planned.max_tokens}"
+        return res
+    res.positions, res.output_tokens, res.ok = PositionTimes(s.t_send, times), len(times), True
+    return res
 
 
 def client_session():
     import aiohttp
 
-    # no total limit (the router's request_timeout_s ends a request); 600 s without a byte is a failure
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                  timeout=aiohttp.ClientTimeout(total=None, sock_connect=600, sock_read=600))
 
 
-async def run_workload(base_url: str, plans: list[SessionPlan], args: argparse.Namespace, pipeline: str | None,
-                       progress: str) -> tuple[list[Result], float]:
+async def run_sessions(base_url: str, requests: list[Planned], think_s: float, stagger_s: float,
+                       seed: int) -> tuple[list[Result], float]:
+    """Closed loop: sessions side by side, each turn after the previous one ended plus a think time;
+    ``think_s`` 0 and ``stagger_s`` 0 with one session at a time is the sequential calibration run."""
+    rng = random.Random(seed + 7)
+    by_session: dict[int, list[Planned]] = {}
+    for r in requests:
+        by_session.setdefault(r.session, []).append(r)
     results: list[Result] = []
-    total = sum(1 + len(p.new_tokens) for p in plans)
-    done = [0]
 
-    async def session(client, plan: SessionPlan, t0: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + plan.start_at - time.perf_counter()))
-        prompt, reuse = list(plan.first_prompt), 0
-        for turn in range(1 + len(plan.new_tokens)):
-            res = Result(plan.sid, turn, len(prompt), reuse)
-            answer = await stream_one(client, base_url, request_body(prompt, args.output_tokens, pipeline), res)
-            results.append(res)
-            done[0] += 1
-            if done[0] % max(1, total // 10) == 0 or done[0] == total:
-                print(f"  [{progress}] {done[0]}/{total} requests", flush=True)
-            if not res.ok or turn == len(plan.new_tokens):
-                return
-            await asyncio.sleep(plan.think_s[turn])
-            reuse = len(prompt) + len(answer)
-            prompt = prompt + answer + plan.new_tokens[turn]
+    async def one(client, sid: int, plans: list[Planned], t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + sid * stagger_s - time.perf_counter()))
+        for i, planned in enumerate(plans):
+            results.append(await send(client, base_url, planned))
+            if i + 1 < len(plans) and think_s:
+                await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
 
     async with client_session() as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(session(client, p, t0) for p in plans))
-        makespan = time.perf_counter() - t0
-    return results, makespan
+        if stagger_s or think_s:
+            await asyncio.gather(*(one(client, sid, plans, t0) for sid, plans in by_session.items()))
+        else:
+            for sid, plans in by_session.items():
+                await one(client, 0, plans, time.perf_counter())
+        return results, time.perf_counter() - t0
 
 
-async def warm_up(base_url: str, args: argparse.Namespace, vocab_ids: list[int], pipelines: list[str | None]) -> None:
-    """Open every link (ucx/zmq) and warm kernels on prompts that share nothing with the workload."""
+async def run_open_loop(base_url: str, requests: list[Planned], rate: float, seed: int) -> tuple[list[Result], float]:
+    """Open loop: Poisson arrivals at ``rate`` requests/s, whatever the system does; requests go out
+    turn by turn across sessions, so a session's next turn follows its previous one by ~sessions/rate."""
+    rng = random.Random(seed + 11)
+    ordered = sorted(requests, key=lambda r: (r.turn, r.session))
+    t, arrivals = 0.0, []
+    for _ in ordered:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+
+    async def at(client, when: float, planned: Planned, t0: float) -> Result:
+        await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
+        return await send(client, base_url, planned)
+
+    async with client_session() as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(at(client, a, p, t0) for a, p in zip(arrivals, ordered)))
+        return list(results), time.perf_counter() - t0
+
+
+async def warm_up(base_url: str, vocab: list[int]) -> None:
+    """Open every link and warm kernels, on prompts that share nothing with the workload."""
     from pdd.loadgen.client import stream
 
     rng = random.Random(12345)
     async with client_session() as client:
-        for i, pipe in enumerate(pipelines):
-            prompt = [rng.choice(vocab_ids) for _ in range(40 + 20 * i)]
-            s = await stream(client, base_url + "/v1/completions", request_body(prompt, 24, pipe, stream=False),
-                             timeout_s=300.0)
+        for pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD, None):
+            body = {**request_body([rng.choice(vocab) for _ in range(60)], 8), "stream": False}
+            body.pop("stream_options")
+            if pipeline:
+                body["pdd"]["pipeline"] = pipeline
+            s = await stream(client, base_url + "/v1/completions", body, timeout_s=300.0)
             if s.status != 200 or s.exception is not None or s.timed_out:
                 raise RuntimeError(f"warm-up request failed: {s.status} {s.body_text[:300] or s.exception}")
 
@@ -284,218 +325,349 @@ async def warm_up(base_url: str, args: argparse.Namespace, vocab_ids: list[int],
 # ---------------------------------------------------------------------------------------------
 # figures
 # ---------------------------------------------------------------------------------------------
-def pct(values: list[float], q: float) -> float | None:
-    vals = sorted(v for v in values if v is not None)
-    if not vals:
-        return None
-    if len(vals) == 1:
-        return vals[0]
-    k = (len(vals) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(vals) - 1)
-    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
-
-
-def metric_totals(samples: dict) -> dict[str, Any]:
-    """The figures this bench reads, from one instance's parsed /metrics (loadgen.scrape samples)."""
-    out: dict[str, Any] = {}
-    for (name, labels), value in samples.items():
-        name = name.replace("pdd_", "pdd:", 1) if name.startswith("pdd_") else name
-        if name in ("pdd:wan_bytes_total", "pdd:rld_tokens_total", "pdd:generated_tokens_total",
-                    "pdd:fast_path_bytes_total"):
-            out[name] = out.get(name, 0.0) + value
-        elif name == "pdd:pipeline_requests_total":
-            pipe = dict(labels).get("pipeline", "?")
-            out.setdefault("pipelines", {})
-            out["pipelines"][pipe] = out["pipelines"].get(pipe, 0.0) + value
-        elif name.startswith("pdd:handoff_total"):
-            mode = dict(labels).get("mode", "?")
-            out.setdefault("handoffs", {})
-            out["handoffs"][mode] = out["handoffs"].get(mode, 0.0) + value
-    return out
-
-
-def scrape_all(system: System) -> dict[str, dict]:
-    from pdd.loadgen.scrape import scrape_sync
-
-    out = {}
-    for iid in ("router-0", "p-0", "rld-0"):
-        url = system.metrics_url(iid)
-        samples = scrape_sync(url) if url else None
-        out[iid] = metric_totals(samples) if samples else {}
-    return out
-
-
-def cpu_sample(pids: list[int]) -> tuple[float, float, float]:
-    """(wall, machine busy CPU seconds, CPU seconds of our processes) — to show what else loads the box."""
-    hz = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / hz  # minus idle, iowait
-    mine = sum(os.times()[:2])
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parts = f.read().rsplit(")", 1)[1].split()
-            mine += (int(parts[11]) + int(parts[12])) / hz
-        except (OSError, IndexError, ValueError):
-            pass
-    return time.monotonic(), busy, mine
-
-
-def cpu_use(before: tuple, after: tuple, pids_note: str = "") -> dict[str, float]:
-    wall = max(1e-9, after[0] - before[0])
-    mine = (after[2] - before[2]) / wall
-    busy = (after[1] - before[1]) / wall
-    return {"bench_cores": round(mine, 2), "other_cores": round(max(0.0, busy - mine), 2),
-            "cpus": os.cpu_count() or 0}
-
-
-def delta(after: dict, before: dict, key: str) -> float:
-    return float(after.get(key, 0.0)) - float(before.get(key, 0.0))
-
-
-def span_profile(spans_path: Path, request_ids: set[str]) -> dict[str, Any]:
-    """Where time goes, from the setup's span file: per stage mean / p90 (ms) over the workload."""
-    stages: dict[str, list[float]] = {}
-    wan_gbps: list[float] = []
-    if not spans_path.exists():
-        return {}
-    for line in spans_path.read_text(errors="replace").splitlines():
-        try:
-            s = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        rid = (s.get("attributes") or {}).get("request_id")
-        if rid not in request_ids:
-            continue
-        dur = (s.get("end_ns", 0) - s.get("start_ns", 0)) / 1e6
-        key = f"{s.get('name')}@{s.get('service', '?').replace('pdd-', '')}"
-        stages.setdefault(key, []).append(dur)
-        if s.get("name") == "kv.transfer.wan":
-            g = (s.get("attributes") or {}).get("gbps")
-            if g:
-                wan_gbps.append(float(g))
-    prof = {k: {"n": len(v), "mean_ms": round(statistics.fmean(v), 1), "p90_ms": round(pct(v, 90), 1),
-                "max_ms": round(max(v), 1)} for k, v in sorted(stages.items())}
-    if wan_gbps:
-        prof["wan_gbps_p50"] = round(pct(wan_gbps, 50), 3)
-    return prof
-
-
-def summarize(name: str, results: list[Result], makespan: float, before: dict, after: dict,
-              profile: dict) -> dict[str, Any]:
+def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
-    ttft = [r.ttft for r in ok]
-    tt2 = [r.tt2 for r in ok if r.tt2 is not None]
-    e2e = [r.e2e for r in ok]
-    gaps = [g for r in ok for g in r.gaps]
-    mitl = [r.mean_itl for r in ok if r.mean_itl is not None]
+    pos = [r.positions for r in ok if r.positions]
+    ttft, tt2 = [p.ttft for p in pos], [p.tt2 for p in pos]
+    mitl = [p.mean_itl for p in pos]
+    stalls = [x for r in ok if r.info.get("handoff_mode") and (x := r.positions.stall()) is not None]
     out_tokens = sum(r.output_tokens for r in ok)
-    chunks = sum(len(r.chunks) for r in ok)
-    resp_wan = [float(r.info.get("wan_bytes", 0) or 0) for r in ok]
-    rld_resp = sum(int(r.info.get("rld_tokens", 0) or 0) for r in ok)
-    pipes: dict[str, int] = {}
+    pipelines: dict[str, int] = {}
     for r in ok:
-        pipes[r.info.get("pipeline", "?")] = pipes.get(r.info.get("pipeline", "?"), 0) + 1
-    p_wan = delta(after.get("p-0", {}), before.get("p-0", {}), "pdd:wan_bytes_total")
-    router_rld = delta(after.get("router-0", {}), before.get("router-0", {}), "pdd:rld_tokens_total")
-    router_gen = delta(after.get("router-0", {}), before.get("router-0", {}), "pdd:generated_tokens_total")
-    hand_before = before.get("rld-0", {}).get("handoffs", {})
-    handoffs = {k: v - hand_before.get(k, 0.0) for k, v in after.get("rld-0", {}).get("handoffs", {}).items()}
-    md_hits = [int(r.info["md_cached_tokens"]) / r.prompt_tokens for r in ok if "md_cached_tokens" in r.info]
+        pipelines[r.info.get("pipeline", "?")] = pipelines.get(r.info.get("pipeline", "?"), 0) + 1
 
-    # stall around a handoff: the stream's max gap / its median gap, for handed-over requests
-    ratios: dict[str, list[float]] = {}
-    for r in ok:
-        mode = r.info.get("handoff_mode")
-        if mode and len(r.gaps) >= 3:
-            med = statistics.median(r.gaps)
-            if med > 0:
-                ratios.setdefault(mode, []).append(max(r.gaps) / med)
+    def q(vals: list, scale: float = 1.0) -> dict[str, float | None]:
+        return {"mean": round(statistics.fmean(v for v in vals if v is not None) * scale, 4) if vals else None,
+                **{f"p{k}": (round(v * scale, 4) if (v := pct(vals, k)) is not None else None) for k in (50, 90)}}
 
-    def q3(vals: list[float], scale: float = 1.0) -> dict[str, float | None]:
-        return {f"p{q}": (round(v * scale, 4) if (v := pct(vals, q)) is not None else None) for q in (50, 90, 99)}
-
-    return {
-        "setup": name, "requests": len(results), "completed": len(ok),
-        "errors": [r.error for r in results if not r.ok][:5],
-        "makespan_s": round(makespan, 2),
-        "ttft_s": q3(ttft), "tt2_s": q3(tt2), "e2e_s": q3(e2e), "itl_ms": q3(gaps, 1000.0),
-        "mean_itl_ms": q3(mitl, 1000.0),
-        "output_tokens": out_tokens, "tokens_per_chunk": round(out_tokens / max(1, chunks), 3),
-        "wan_bytes_per_request_resp": round(statistics.fmean(resp_wan), 1) if resp_wan else 0.0,
-        "wan_bytes_per_request_metric": round(p_wan / max(1, len(results)), 1),
-        "wan_bytes_total_metric": p_wan,
-        "rld_tokens_resp": rld_resp, "rld_tokens_metric": router_rld, "generated_tokens_metric": router_gen,
-        "rld_token_share": round(rld_resp / max(1, out_tokens), 4),
-        "pipeline_mix": pipes, "handoffs": handoffs,
-        "md_hit_mean": round(statistics.fmean(md_hits), 4) if md_hits else None,
-        "handoff_max_over_median": {m: {"n": len(v), "max": round(max(v), 3), "p90": round(pct(v, 90), 3),
-                                        "p50": round(pct(v, 50), 3)} for m, v in ratios.items()},
-        "by_pipeline": {pipe: {"n": len(rs), "hit_mean": round(statistics.fmean(r.hit for r in rs), 3),
-                               "ttft_p50": round(pct([r.ttft for r in rs], 50), 3),
-                               "tt2_p50": round(pct([r.tt2 for r in rs if r.tt2], 50) or 0, 3),
-                               "tt2_p90": round(pct([r.tt2 for r in rs if r.tt2], 90) or 0, 3),
-                               "wan_mb_mean": round(statistics.fmean(float(r.info.get("wan_bytes", 0) or 0)
-                                                                     for r in rs) / 1e6, 2)}
-                        for pipe in pipes for rs in [[r for r in ok if r.info.get("pipeline") == pipe]]},
-        "handoff_gaps_ms": [{"mode": r.info.get("handoff_mode"), "rld_tokens": r.info.get("rld_tokens"),
-                             "max_gap_ms": round(max(r.gaps) * 1000, 1),
-                             "median_gap_ms": round(statistics.median(r.gaps) * 1000, 1),
-                             "argmax": r.gaps.index(max(r.gaps)) + 1}
-                            for r in ok if r.info.get("handoff_mode") and len(r.gaps) >= 3],
-        "profile": profile,
-    }
+    return {"requests": len(results), "completed": len(ok), "errors": [r.error for r in results if not r.ok][:3],
+            "makespan_s": round(makespan, 2), "ttft_s": q(ttft), "tt2_s": q(tt2), "mean_itl_ms": q(mitl, 1000),
+            "handoff_stall": {**q(stalls), "max": round(max(stalls), 3) if stalls else None, "n": len(stalls)},
+            "output_tokens": out_tokens,
+            "rld_tokens": sum(int(r.info.get("rld_tokens", 0) or 0) for r in ok),
+            "wan_bytes_resp": sum(float(r.info.get("wan_bytes", 0) or 0) for r in ok),
+            "pipeline_mix": pipelines}
 
 
-def goodput(results: list[Result], makespan: float, ttft_slo: float, itl_slo: float,
-            first: str = "ttft") -> tuple[float, float]:
-    """Requests per second that met the SLO (over the setup's makespan), and the fraction that did."""
-    ok = [r for r in results if r.ok and getattr(r, first) is not None and getattr(r, first) <= ttft_slo
-          and (r.mean_itl is None or r.mean_itl <= itl_slo)]
-    return len(ok) / makespan, len(ok) / max(1, len(results))
+def slo_share(results: list[Result], tt2_slo: float, itl_slo: float) -> float:
+    good = [r for r in results if r.ok and r.positions and r.positions.tt2 is not None
+            and r.positions.tt2 <= tt2_slo and (r.positions.mean_itl or 0) <= itl_slo]
+    return len(good) / max(1, len(results))
+
+
+def read_spans(spans_path: Path, request_ids: set[str]) -> list[dict]:
+    """The spans of the given requests (the workload's, not warm-up or probes)."""
+    out = []
+    if spans_path.exists():
+        for line in spans_path.read_text(errors="replace").splitlines():
+            try:
+                s = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if (s.get("attributes") or {}).get("request_id") in request_ids:
+                out.append(s)
+    return out
+
+
+def fast_path(spans: list[dict]) -> dict[str, Any]:
+    """kv.transfer.fast (P -> relay): p50/p90 ms and MB/s pool to pool."""
+    fast = [s for s in spans if s.get("name") == "kv.transfer.fast" and (s.get("attributes") or {}).get("bytes")]
+    ms = [(s["end_ns"] - s["start_ns"]) / 1e6 for s in fast]
+    rates = [a["bytes"] / a["seconds"] / 1e6 for s in fast if (a := s["attributes"]).get("seconds")]
+    return {"n": len(ms), "p50_ms": round(pct(ms, 50), 1) if ms else None,
+            "p90_ms": round(pct(ms, 90), 1) if ms else None,
+            "mb_per_s_p50": round(pct(rates, 50), 1) if rates else None}
+
+
+def span_profile(spans: list[dict]) -> dict[str, dict[str, float]]:
+    """Where the time goes: per stage and service, mean / p90 ms."""
+    stages: dict[str, list[float]] = {}
+    for s in spans:
+        key = f"{s.get('name')}@{str(s.get('service', '?')).replace('pdd-', '')}"
+        stages.setdefault(key, []).append((s.get("end_ns", 0) - s.get("start_ns", 0)) / 1e6)
+    return {k: {"n": len(v), "mean_ms": round(statistics.fmean(v), 1), "p90_ms": round(pct(v, 90), 1)}
+            for k, v in sorted(stages.items())}
 
 
 # ---------------------------------------------------------------------------------------------
-# main
+# the run
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="'default' = SmolLM2-135M-Instruct")
-    ap.add_argument("--sessions", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=8, help="turns per session (the first one is low-hit)")
-    ap.add_argument("--system-tokens", type=int, default=256, help="system prompt shared by all sessions")
-    ap.add_argument("--task-tokens", type=int, default=800, help="fresh task tokens of a session's first turn")
-    ap.add_argument("--new-tokens", type=int, default=32, help="new user/tool tokens per later turn (mean)")
+    ap.add_argument("--seeds", type=int, default=3, help="repeats (one workload seed each)")
+    ap.add_argument("--sessions", type=int, default=3, help="agent sessions per repeat")
+    ap.add_argument("--turns", type=int, default=10, help="requests per session (the first is the low-hit one)")
+    ap.add_argument("--system-tokens", type=int, default=600, help="system prompt shared by a seed's sessions")
+    ap.add_argument("--task-tokens", type=int, default=400, help="fresh task tokens of a session's first turn")
+    ap.add_argument("--new-tokens", type=int, default=16, help="new user/tool tokens per later turn (mean)")
     ap.add_argument("--long-tool-fraction", type=float, default=0.12, help="later turns with a long tool output")
-    ap.add_argument("--long-tool-tokens", type=int, default=320)
+    ap.add_argument("--long-tool-tokens", type=int, default=240)
     ap.add_argument("--output-tokens", type=int, default=32, help="max_tokens per turn (ignore_eos)")
-    ap.add_argument("--think-s", type=float, default=0.5, help="mean tool/think time between turns")
-    ap.add_argument("--stagger-s", type=float, default=3.0, help="session start spacing")
-    ap.add_argument("--rate", default="200mbit", help="emulated WAN rate (shaper)")
-    ap.add_argument("--delay", default="20ms")
+    ap.add_argument("--anomalous-share", type=float, default=0.035,
+                    help="long-input/short-output requests (report: 3-4 %%)")
+    ap.add_argument("--anomalous-prompt-tokens", type=int, default=2400)
+    ap.add_argument("--anomalous-output-tokens", type=int, default=4)
+    ap.add_argument("--anomalous-min-prompt-tokens", type=int, default=2000,
+                    help="policy: prompts this long with short output finish on the relay (report: 16K at GPU scale)")
+    ap.add_argument("--anomalous-max-output-tokens", type=int, default=8, help="policy: 'short output' (report: < 500)")
+    ap.add_argument("--think-s", type=float, default=0.5, help="mean think time between turns (repeats)")
+    ap.add_argument("--stagger-s", type=float, default=2.0, help="session start spacing (repeats)")
+    ap.add_argument("--calibration-sessions", type=int, default=2, help="sessions of a sequential calibration run")
+    ap.add_argument("--wan-rate", default=None, help="skip the calibration and emulate this WAN rate (e.g. 200mbit)")
+    ap.add_argument("--rate-range", default="10mbit:10gbit", help="calibration search range")
+    ap.add_argument("--calibration-steps", type=int, default=6)
+    ap.add_argument("--delay", default="20ms", help="one-way WAN delay (an assumption; not calibrated)")
     ap.add_argument("--jitter", default="2ms")
+    ap.add_argument("--goodput-range", default="0.2:3.2", help="request rates (req/s) the goodput search spans")
+    ap.add_argument("--goodput-steps", type=int, default=4, help="bisection probes (the lowest rate only if all fail)")
+    ap.add_argument("--goodput-requests", type=int, default=20, help="requests per goodput probe")
+    ap.add_argument("--slo-factor", type=float, default=1.5, help="SLO = factor x colocated's p90 (TT2, mean ITL)")
     ap.add_argument("--catch-up-threshold", type=int, default=4,
-                    help="policy.handoff_catch_up_threshold for the pdd setup (report: 64 at GPU speed)")
-    ap.add_argument("--no-ucx-python-future", dest="ucx_python_future", action="store_false",
-                    help="leave ucxx's default request polling (busy-polls a core share per endpoint here)")
+                    help="policy.handoff_catch_up_threshold for pdd (report: 64 at GPU speed)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
     ap.add_argument("--kv-memory-mb", type=int, default=768)
-    ap.add_argument("--slo-factor", type=float, default=1.5,
-                    help="SLO = factor x the colocated run's p90 (TTFT and per-request mean ITL)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--setups", default=",".join(SETUPS))
+    ap.add_argument("--no-ucx-python-future", dest="ucx_python_future", action="store_false",
+                    help="leave ucxx's default request polling (busy-polls a core share per endpoint here)")
+    ap.add_argument("--setups", default=",".join(SETUPS), help="which setups (colocated is needed for the SLO)")
     ap.add_argument("--run-dir", default=None, help="logs/config/spans (default: a temp dir, kept)")
     return ap.parse_args(argv)
 
 
+class Bench:
+    def __init__(self, args: argparse.Namespace, run_root: Path):
+        self.args = args
+        self.run_root = run_root
+        self.vocab = word_ids(args.model)
+        self.systems: list[System] = []
+        self.setups: dict[str, dict[str, Any]] = {}
+
+    def open(self, setup: Setup, tag: str, wan_rate: str | None) -> System:
+        system = System(setup, self.run_root / f"{setup.name}-{tag}", self.args, wan_rate)
+        self.systems.append(system)
+        startup = system.start()
+        asyncio.run(warm_up(system.base_url, self.vocab))
+        print(f"  [{setup.name}/{tag}] ready in {startup:.1f}s", flush=True)
+        return system
+
+    def close(self, system: System) -> None:
+        system.stop()
+        self.systems.remove(system)
+
+    def calibration_run(self, system: System) -> float:
+        """P50 TTFT of a short sequential run (same requests for every setup and every probe)."""
+        requests = build_requests(1000, self.args.calibration_sessions, self.args, self.vocab)
+        results, _ = asyncio.run(run_sessions(system.base_url, requests, 0.0, 0.0, 1000))
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"calibration run failed: {failed[:2]}")
+        return pct([r.positions.ttft for r in results], 50)
+
+    def calibrate(self, colocated_p50: float) -> Bisection:
+        from pdd.transports.units import rate_bits
+
+        lo, hi = (rate_bits(x) for x in self.args.rate_range.split(":"))
+
+        def ratio_at(bits: float) -> float:
+            system = self.open(SETUPS["naive"], f"calibrate-{bits / 1e6:.0f}mbit", f"{bits / 1e6:.3f}mbit")
+            try:
+                ratio = self.calibration_run(system) / colocated_p50
+            finally:
+                self.close(system)
+            print(f"  calibration: {bits / 1e6:.0f} Mbit/s -> naive/colocated P50 TTFT {ratio:.3f}", flush=True)
+            return ratio
+
+        return bisect_geometric(ratio_at, TARGET_RATIO, RATIO_TOLERANCE, lo, hi, self.args.calibration_steps)
+
+    def repeats(self, system: System, name: str) -> list[dict[str, Any]]:
+        out = []
+        for seed in range(self.args.seeds):
+            requests = build_requests(seed, self.args.sessions, self.args, self.vocab)
+            wan0 = system.wan_bytes()
+            results, makespan = asyncio.run(run_sessions(system.base_url, requests, self.args.think_s,
+                                                         self.args.stagger_s, seed))
+            s = summarize(results, makespan)
+            s["wan_bytes_metric"] = system.wan_bytes() - wan0
+            s["request_ids"] = [r.request_id for r in results if r.request_id]
+            s["_results"] = results
+            out.append(s)
+            print(f"  [{name}] seed {seed}: {s['completed']}/{s['requests']} ok in {makespan:.1f}s; TTFT p50 "
+                  f"{s['ttft_s']['p50']}s, TT2 p50 {s['tt2_s']['p50']}s; {s['pipeline_mix']}", flush=True)
+        return out
+
+    def goodput(self, system: System, name: str, tt2_slo: float, itl_slo: float) -> Bisection:
+        lo, hi = (float(x) for x in self.args.goodput_range.split(":"))
+        step = [0]
+
+        def passes(rate: float) -> bool:
+            step[0] += 1
+            seed = 500 + step[0]
+            sessions = -(-self.args.goodput_requests // self.args.turns)  # ceil: whole sessions
+            requests = build_requests(seed, sessions, self.args, self.vocab)
+            results, makespan = asyncio.run(run_open_loop(system.base_url, requests, rate, seed))
+            share = slo_share(results, tt2_slo, itl_slo)
+            print(f"  [{name}] goodput probe {rate:.3f} req/s: {share:.0%} within SLO "
+                  f"({sum(r.ok for r in results)}/{len(results)} ok, {makespan:.0f}s)", flush=True)
+            return share >= SLO_SHARE
+
+        return highest_passing(passes, lo, hi, self.args.goodput_steps)
+
+    def run_setup(self, setup: Setup, wan_rate: str | None, slo: tuple[float, float] | None) -> dict[str, Any]:
+        """The baselines first do the short sequential calibration run (their P50 TTFT at this rate is
+        the regime's check), then every setup its repeats and its goodput search."""
+        system = self.open(setup, "main", wan_rate)
+        try:
+            calibration_p50 = self.calibration_run(system) if setup.name in ("colocated", "naive") else None
+            reps = self.repeats(system, setup.name)
+            if slo is None:  # colocated: its repeats define the SLO
+                f = self.args.slo_factor
+                pooled = [r for rep in reps for r in rep["_results"] if r.ok]
+                slo = (f * pct([r.positions.tt2 for r in pooled], 90),
+                       f * pct([r.positions.mean_itl for r in pooled], 90))
+            good = self.goodput(system, setup.name, *slo)
+        finally:
+            self.close(system)
+        time.sleep(0.5)
+        spans = read_spans(system.spans_path, {i for rep in reps for i in rep["request_ids"]})
+        return {"rule": setup.rule, "repeats": reps, "slo": slo, "goodput": good,
+                "calibration_ttft_p50": calibration_p50, "fast_path": fast_path(spans), "profile": span_profile(spans)}
+
+
+def reduction(base: float | None, new: float | None) -> float | None:
+    return 1 - new / base if base and new is not None else None
+
+
+def build_report(bench: Bench, wan: dict, shape: dict, elapsed: float) -> dict[str, Any]:
+    s = bench.setups
+    seeds = range(bench.args.seeds)
+
+    def per_seed(setup: str, key: str, stat: str) -> list[float | None]:
+        return [s[setup]["repeats"][i][key][stat] for i in seeds] if setup in s else []
+
+    def ratios(setup_a: str, key: str, stat: str) -> dict:
+        return mean_ci95([reduction(a, b) for a, b in zip(per_seed(setup_a, key, stat), per_seed("pdd", key, stat))])
+
+    naive_p50 = s.get("naive", {}).get("calibration_ttft_p50")
+    colocated_p50 = s["colocated"]["calibration_ttft_p50"]
+    report: dict[str, Any] = {"bench": "pipelines", "model": bench.args.model, "repeats": bench.args.seeds,
+                              "naive_over_colocated_ttft_p50": (round(naive_p50 / colocated_p50, 3)
+                                                                if naive_p50 else None),
+                              "workload": shape, "mean_hit": shape["mean_hit"], "wan": wan,
+                              "wan_mbit": wan["mbit"], "rules": [SETUPS[n].rule for n in s]}
+    ci = {}
+    if "naive" in s and "pdd" in s:
+        for key, field_ in (("ttft_mean_reduction_vs_naive", ("ttft_s", "mean")),
+                            ("ttft_p90_reduction_vs_naive", ("ttft_s", "p90")),
+                            ("tt2_mean_reduction_vs_naive", ("tt2_s", "mean")),
+                            ("tt2_p90_reduction_vs_naive", ("tt2_s", "p90"))):
+            ci[key] = ratios("naive", *field_)
+        naive_wan = sum(r["wan_bytes_metric"] for r in s["naive"]["repeats"])
+        pdd_wan = sum(r["wan_bytes_metric"] for r in s["pdd"]["repeats"])
+        ci["wan_bytes_ratio_naive_over_pdd"] = mean_ci95(
+            [a["wan_bytes_metric"] / b["wan_bytes_metric"] if b["wan_bytes_metric"] else None
+             for a, b in zip(s["naive"]["repeats"], s["pdd"]["repeats"])])
+        report["wan_bytes_ratio_naive_over_pdd"] = round(naive_wan / pdd_wan, 3) if pdd_wan else None
+        gn, gp = s["naive"]["goodput"], s["pdd"]["goodput"]
+        report["goodput_gain_vs_naive"] = round(gp.value / gn.value - 1, 4)
+        report["goodput_flags"] = {n: s[n]["goodput"].note for n in s if not s[n]["goodput"].converged}
+    if "naive-stream0" in s and "pdd" in s:
+        ci["tt2_p90_reduction_vs_naive_stream0"] = ratios("naive-stream0", "tt2_s", "p90")
+    for key, v in ci.items():
+        report[key] = v["mean"]
+    report["ci95"] = ci
+    if "pdd" in s:
+        reps = s["pdd"]["repeats"]
+        stalls = [r for rep in reps for r in rep["_results"] if r.ok and r.info.get("handoff_mode")]
+        values = [r.positions.stall() for r in stalls if r.positions.stall() is not None]
+        report["handoff_stall_p90"] = round(pct(values, 90), 3) if values else None
+        report["handoff_stall_max"] = round(max(values), 3) if values else None
+        report["handoffs"] = len(values)
+        output_tokens = max(1, sum(r["output_tokens"] for r in reps))
+        report["rld_token_share"] = round(sum(r["rld_tokens"] for r in reps) / output_tokens, 4)
+        fp = s["pdd"]["fast_path"] or {}
+        report["fast_path_p50_ms"], report["fast_path_p90_ms"] = fp.get("p50_ms"), fp.get("p90_ms")
+        report["fast_path_mb_per_s_p50"] = fp.get("mb_per_s_p50")
+    report["setups"] = {n: {"rule": v["rule"], "goodput_rps": round(v["goodput"].value, 4), "profile": v["profile"],
+                            "goodput_search": {"note": v["goodput"].note, "probes": v["goodput"].probes},
+                            "slo": {"tt2_s": round(v["slo"][0], 4), "mean_itl_ms": round(v["slo"][1] * 1000, 2)},
+                            "repeats": [{k: x for k, x in rep.items() if not k.startswith("_") and k != "request_ids"}
+                                        for rep in v["repeats"]]} for n, v in s.items()}
+    report["goals"] = goals(report)
+    report["elapsed_s"] = round(elapsed, 1)
+    return report
+
+
+GOALS = (("ttft_mean_reduction_vs_naive", 0.515, True), ("tt2_mean_reduction_vs_naive", 0.515, True),
+         ("ttft_p90_reduction_vs_naive", 0.6, True), ("tt2_p90_reduction_vs_naive", 0.6, True),
+         ("goodput_gain_vs_naive", 0.278, True), ("wan_bytes_ratio_naive_over_pdd", 10.0, True),
+         ("handoff_stall_p90", 1.5, False), ("handoff_stall_max", 2.5, False),
+         ("fast_path_mb_per_s_p50", 1000.0, True))
+
+
+def goals(report: dict) -> dict[str, dict]:
+    out = {}
+    for key, target, higher in GOALS:
+        v = report.get(key)
+        out[key] = {"value": v, "target": target,
+                    "met": v is not None and (v >= target if higher else v <= target)}
+    return out
+
+
 def fmt(v: Any, nd: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
+    return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def print_report(report: dict, bench: Bench) -> None:
+    print()
+    w = report["workload"]
+    print(f"Workload (all seeds): {w['requests']} requests, mean hit {w['mean_hit']:.3f}, "
+          f"{w['share_hit_gt_95']:.0%} above 95 %, anomalous {w['anomalous_share']:.1%}, bins {w['bins']}, "
+          f"mean prompt {w['prompt_tokens_mean']:.0f} tokens")
+    wan = report["wan"]
+    print(f"WAN: {wan['mbit']:.1f} Mbit/s, {bench.args.delay} one-way ± {bench.args.jitter} ({wan['how']})")
+    print("Rules: times per output position (TTFT = position 0, TT2 = position 1); " + "; ".join(report["rules"]))
+    cols = list(report["setups"])
+    rows: list[tuple[str, Any]] = []
+    for label, key, stat in (("TTFT mean s", "ttft_s", "mean"), ("TTFT p90 s", "ttft_s", "p90"),
+                             ("TT2 mean s", "tt2_s", "mean"), ("TT2 p90 s", "tt2_s", "p90"),
+                             ("mean ITL p90 ms", "mean_itl_ms", "p90")):
+        rows.append((label, lambda n, key=key, stat=stat: fmt(mean_ci95(
+            [r[key][stat] for r in report["setups"][n]["repeats"]])["mean"])))
+    rows += [("completed", lambda n: f"{sum(r['completed'] for r in report['setups'][n]['repeats'])}/"
+                                     f"{sum(r['requests'] for r in report['setups'][n]['repeats'])}"),
+             ("WAN MB/request", lambda n: fmt(_per_request(report["setups"][n], "wan_bytes_metric") / 1e6, 2)),
+             ("goodput req/s", lambda n: fmt(report["setups"][n]["goodput_rps"], 3)),
+             ("pipelines", lambda n: " ".join(f"{k}:{v}" for k, v in sorted(_mix(report["setups"][n]).items())))]
+    width = max(len(r[0]) for r in rows) + 2
+    print(f"{'':{width}s}" + "".join(f" {c:>22s}" for c in cols))
+    for label, fn in rows:
+        print(f"{label:{width}s}" + "".join(f" {fn(c):>22s}" for c in cols))
+    print()
+    for key, g in report["goals"].items():
+        ci = report["ci95"].get(key) or {}
+        interval = f" ± {ci['ci95']}" if ci.get("ci95") is not None else ""
+        print(f"  {key:38s} {fmt(g['value'])}{interval}  goal {'<=' if key.startswith('handoff') else '>='} "
+              f"{g['target']}  {'MET' if g['met'] else 'MISSED'}")
+    if report.get("goodput_flags"):
+        print(f"  goodput flags: {report['goodput_flags']}")
+    if not all(g["met"] for g in report["goals"].values()):
+        print("\nWhere the time goes (spans of the repeats; mean / p90 ms per stage@service):")
+        for name, setup in report["setups"].items():
+            print(f"  {name:13s} " + "; ".join(f"{k} {v['mean_ms']:.0f}/{v['p90_ms']:.0f}"
+                                              for k, v in setup["profile"].items()))
+
+
+def _per_request(setup: dict, key: str) -> float:
+    reps = setup["repeats"]
+    return sum(r[key] for r in reps) / max(1, sum(r["requests"] for r in reps))
+
+
+def _mix(setup: dict) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for rep in setup["repeats"]:
+        for k, v in rep["pipeline_mix"].items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -503,223 +675,56 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="pdd-bench-"))
     run_root.mkdir(parents=True, exist_ok=True)
-    setups = [s for s in args.setups.split(",") if s]
-    vocab_ids, _ = word_ids(args.model)
-    plans = build_workload(args, vocab_ids)
-    n_req = sum(1 + len(p.new_tokens) for p in plans)
-    print(f"PDD benchmark: {args.sessions} sessions x {args.turns} turns = {n_req} requests, "
-          f"{args.output_tokens} output tokens each; WAN {args.rate} delay {args.delay}±{args.jitter} "
-          f"(in-process shaper); KV {KV_BYTES_PER_TOKEN} B/token; run dir {run_root}", flush=True)
-
-    systems: list[System] = []
-    stopping = {"sig": None}
+    names = [n for n in args.setups.split(",") if n]
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown or "colocated" not in names:
+        print(f"--setups: unknown {unknown}; colocated is required (it sets the SLO and the calibration)",
+              file=sys.stderr)
+        return 2
+    bench = Bench(args, run_root)
+    shape = workload_shape([r for seed in range(args.seeds)
+                            for r in build_requests(seed, args.sessions, args, bench.vocab)])
+    print(f"pipelines benchmark: setups {names}, {args.seeds} seeds; run dir {run_root}", flush=True)
 
     def on_signal(signum, _frame):
-        stopping["sig"] = signum
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    summaries: dict[str, dict] = {}
-    raw: dict[str, tuple[list[Result], float]] = {}
     try:
-        for name in setups:
-            system = System(name, run_root / name, args)
-            systems.append(system)
-            print(f"[{name}] starting nats-server, router, P, RLD, MD ...", flush=True)
-            startup = system.start()
-            print(f"[{name}] ready in {startup:.1f}s; warming links", flush=True)
-            asyncio.run(warm_up(system.base_url, args, vocab_ids,
-                                [Pipeline.P_MD] if name != "pdd" else [Pipeline.P_MD, Pipeline.P_RLD_MD]))
-            before = scrape_all(system)
-            pids = system.pids()
-            cpu0 = cpu_sample(pids)
-            pipeline = None if name == "pdd" else Pipeline.P_MD
-            results, makespan = asyncio.run(run_workload(system.base_url, plans, args, pipeline, name))
-            cpu1 = cpu_sample(pids)
-            time.sleep(0.5)
-            after = scrape_all(system)
-            system.stop()
-            time.sleep(0.5)  # the span exporter flushes on stop
-            profile = span_profile(system.spans_path, {r.request_id for r in results if r.request_id})
-            summaries[name] = summarize(name, results, makespan, before, after, profile)
-            summaries[name]["startup_s"] = round(startup, 1)
-            summaries[name]["cpu"] = cpu_use(cpu0, cpu1)
-            raw[name] = (results, makespan)
-            s = summaries[name]
-            print(f"[{name}] done: {s['completed']}/{s['requests']} ok in {makespan:.1f}s; "
-                  f"TTFT p90 {fmt(s['ttft_s']['p90'])}s, pipelines {s['pipeline_mix']}", flush=True)
+        print("[colocated] calibration run, repeats, goodput", flush=True)
+        bench.setups["colocated"] = bench.run_setup(SETUPS["colocated"], None, None)
+        slo = bench.setups["colocated"]["slo"]
+        colocated_p50 = bench.setups["colocated"]["calibration_ttft_p50"]
+        from pdd.transports.units import rate_bits
+
+        if args.wan_rate:
+            bits = rate_bits(args.wan_rate)
+            wan = {"mbit": bits / 1e6, "how": f"--wan-rate {args.wan_rate}"}
+        else:
+            print(f"[calibration] colocated P50 TTFT {colocated_p50:.3f}s; bisecting the WAN rate for "
+                  f"naive/colocated = {TARGET_RATIO} ± {RATIO_TOLERANCE}", flush=True)
+            found = bench.calibrate(colocated_p50)
+            bits = found.value
+            wan = {"mbit": bits / 1e6, "how": f"calibrated on the baselines: {found.note}",
+                   "probes": [{"mbit": round(p["x"] / 1e6, 2), "ratio": round(p["y"], 3)} for p in found.probes],
+                   "converged": found.converged}
+            print(f"[calibration] WAN {bits / 1e6:.1f} Mbit/s ({found.note})", flush=True)
+        for name in names:
+            if name == "colocated":
+                continue
+            print(f"[{name}] repeats, goodput at {bits / 1e6:.1f} Mbit/s", flush=True)
+            bench.setups[name] = bench.run_setup(SETUPS[name], f"{bits / 1e6:.3f}mbit", slo)
     except KeyboardInterrupt:
         print("interrupted: stopping every process", file=sys.stderr, flush=True)
         return 130
     finally:
-        for system in systems:
+        for system in list(bench.systems):
             system.stop()
-
-    report = build_report(args, summaries, raw, plans, time.monotonic() - t_start, run_root)
-    print(json.dumps(report, sort_keys=True))
+    report = build_report(bench, wan, shape, time.monotonic() - t_start)
+    print_report(report, bench)
+    print(f"elapsed {report['elapsed_s']:.0f}s; logs, configs and spans under {run_root}")
+    print(json.dumps(report, sort_keys=True, default=str))
     return 0
-
-
-def build_report(args, summaries: dict, raw: dict, plans, elapsed: float, run_root: Path) -> dict:
-    col = raw.get("colocated")
-    report: dict[str, Any] = {"bench": "pdd", "wan_rate": args.rate, "wan_delay": args.delay,
-                              "wan_jitter": args.jitter, "sessions": args.sessions, "turns": args.turns,
-                              "output_tokens": args.output_tokens, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
-                              "run_dir": str(run_root)}
-    # workload hit profile (what a warm cache could reuse), from the colocated run's actual prompts
-    any_results = next(iter(raw.values()))[0] if raw else []
-    hits = [r.hit for r in any_results]
-    if hits:
-        report["workload_hit_mean"] = round(statistics.fmean(hits), 4)
-        report["workload_share_hit_gt_95"] = round(sum(h > 0.95 for h in hits) / len(hits), 4)
-        report["workload_prompt_tokens_mean"] = round(statistics.fmean(r.prompt_tokens for r in any_results), 1)
-        bins = [(0, 0.5), (0.5, 0.9), (0.9, 0.95), (0.95, 0.98), (0.98, 1.01)]
-        report["workload_hit_bins"] = {f"{lo:.2f}-{min(hi, 1):.2f}": sum(lo <= h < hi for h in hits) for lo, hi in bins}
-
-    # SLO from the colocated distribution
-    if col:
-        c = summaries["colocated"]
-        ttft_slo = args.slo_factor * c["ttft_s"]["p90"]
-        itl_slo = args.slo_factor * c["mean_itl_ms"]["p90"] / 1000.0
-        report["slo"] = {"ttft_s": round(ttft_slo, 4), "mean_itl_ms": round(itl_slo * 1000, 2),
-                         "rule": f"{args.slo_factor} x colocated p90 of TTFT and of per-request mean ITL"}
-        tt2_slo = args.slo_factor * c["tt2_s"]["p90"]
-        report["slo_tt2"] = {"tt2_s": round(tt2_slo, 4), "mean_itl_ms": round(itl_slo * 1000, 2),
-                             "rule": f"{args.slo_factor} x colocated p90 of time-to-2nd-token and of mean ITL"}
-        for name, (results, makespan) in raw.items():
-            g, frac = goodput(results, makespan, ttft_slo, itl_slo)
-            summaries[name]["goodput_rps"] = round(g, 4)
-            summaries[name]["slo_attainment"] = round(frac, 4)
-            g2, frac2 = goodput(results, makespan, tt2_slo, itl_slo, first="tt2")
-            summaries[name]["goodput_tt2_rps"] = round(g2, 4)
-            summaries[name]["slo_tt2_attainment"] = round(frac2, 4)
-    report["setups"] = summaries
-    print_table(summaries, report)
-
-    n, p = summaries.get("naive"), summaries.get("pdd")
-    if n and p:
-        def red(key: str, q: str = "p90") -> float | None:
-            a, b = n[key][q], p[key][q]
-            return round(1 - b / a, 4) if a and b is not None else None
-
-        report["ttft_p90_reduction_vs_naive"] = red("ttft_s")
-        report["ttft_p50_reduction_vs_naive"] = red("ttft_s", "p50")
-        report["tt2_p90_reduction_vs_naive"] = red("tt2_s")
-        report["e2e_p90_reduction_vs_naive"] = red("e2e_s")
-        report["wan_bytes_ratio_naive_over_pdd"] = (
-            round(n["wan_bytes_total_metric"] / p["wan_bytes_total_metric"], 3)
-            if p["wan_bytes_total_metric"] else None)
-        report["wan_bytes_ratio_naive_over_pdd_resp"] = (
-            round(n["wan_bytes_per_request_resp"] / p["wan_bytes_per_request_resp"], 3)
-            if p["wan_bytes_per_request_resp"] else None)
-        if "goodput_tt2_rps" in p:
-            report["goodput_gain_vs_naive_tt2_slo"] = (round(p["goodput_tt2_rps"] / n["goodput_tt2_rps"] - 1, 4)
-                                                      if n.get("goodput_tt2_rps") else None)
-        if "goodput_rps" in p and n.get("goodput_rps"):
-            report["goodput_gain_vs_naive"] = round(p["goodput_rps"] / n["goodput_rps"] - 1, 4)
-        elif "goodput_rps" in p:
-            report["goodput_gain_vs_naive"] = None
-        cu = p["handoff_max_over_median"].get(HandoffMode.CATCH_UP)
-        report["handoff_max_itl_over_median"] = cu["max"] if cu else None
-        report["handoff_max_itl_over_median_p90"] = cu["p90"] if cu else None
-        report["handoff_catch_up_requests"] = cu["n"] if cu else 0
-        os_ = p["handoff_max_over_median"].get(HandoffMode.ONE_SHOT)
-        report["handoff_one_shot_max_itl_over_median"] = os_["max"] if os_ else None
-        report["rld_token_share"] = p["rld_token_share"]
-        report["goals"] = goals(report)
-        explain(report, summaries)
-    report["elapsed_s"] = round(elapsed, 1)
-    print(f"elapsed {elapsed:.0f}s; logs, configs and spans under {run_root}")
-    return report
-
-
-def goals(report: dict) -> dict[str, Any]:
-    def check(key: str, target: float, higher: bool = True) -> dict:
-        v = report.get(key)
-        return {"value": v, "target": target, "met": (v is not None and (v >= target if higher else v <= target))}
-
-    return {
-        "ttft_p90_reduction_vs_naive": check("ttft_p90_reduction_vs_naive", 0.515),
-        "wan_bytes_ratio_naive_over_pdd": check("wan_bytes_ratio_naive_over_pdd", 10.0),
-        "goodput_gain_vs_naive": check("goodput_gain_vs_naive", 0.278),
-        "handoff_max_itl_over_median": check("handoff_max_itl_over_median", 1.5, higher=False),
-    }
-
-
-def explain(report: dict, summaries: dict) -> None:
-    missed = [k for k, g in report["goals"].items() if not g["met"]]
-    print()
-    print("Goals (issue 5):")
-    for k, g in report["goals"].items():
-        print(f"  {k:34s} {fmt(g['value'])}  target {'<=' if k.startswith('handoff') else '>='} {g['target']}"
-              f"  {'MET' if g['met'] else 'MISSED'}")
-    print()
-    print("Per pipeline (PDD): " + "; ".join(
-        f"{k}: n={v['n']} hit={v['hit_mean']} TTFT p50 {v['ttft_p50']}s 2nd-token p50/p90 {v['tt2_p50']}/{v['tt2_p90']}s "
-        f"WAN {v['wan_mb_mean']} MB" for k, v in summaries.get("pdd", {}).get("by_pipeline", {}).items()))
-    for name in ("naive", "colocated"):
-        for k, v in summaries.get(name, {}).get("by_pipeline", {}).items():
-            print(f"  {name}: {k} n={v['n']} TTFT p50 {v['ttft_p50']}s 2nd-token p50/p90 {v['tt2_p50']}/{v['tt2_p90']}s"
-                  f" WAN {v['wan_mb_mean']} MB")
-    gaps = summaries.get("pdd", {}).get("handoff_gaps_ms", [])
-    if gaps:
-        print("Handoffs (PDD): " + "; ".join(f"{g['mode']} rld={g['rld_tokens']} max {g['max_gap_ms']}ms at gap "
-                                             f"{g['argmax']} / median {g['median_gap_ms']}ms" for g in gaps))
-    if not missed:
-        return
-    print()
-    print("Where the time goes (span files; mean / p90 ms per stage):")
-    for name, s in summaries.items():
-        prof = s.get("profile") or {}
-        parts = [f"{k} {v['mean_ms']:.0f}/{v['p90_ms']:.0f}" for k, v in prof.items() if isinstance(v, dict)]
-        print(f"  {name:9s} " + "; ".join(parts))
-        if "wan_gbps_p50" in prof:
-            print(f"  {'':9s} measured WAN transfer rate p50 {prof['wan_gbps_p50']} Gbit/s")
-
-
-def print_table(summaries: dict, report: dict) -> None:
-    print()
-    if "workload_hit_mean" in report:
-        print(f"Workload: mean prefix-reuse (hit) rate {report['workload_hit_mean']:.3f}; "
-              f"{report['workload_share_hit_gt_95']:.0%} of requests > 95% hit; bins {report['workload_hit_bins']}; "
-              f"mean prompt {report['workload_prompt_tokens_mean']:.0f} tokens")
-    if "slo_tt2" in report:
-        print(f"2nd-token SLO: time to 2nd token <= {report['slo_tt2']['tt2_s']:.3f} s and mean ITL <= "
-              f"{report['slo_tt2']['mean_itl_ms']:.1f} ms ({report['slo_tt2']['rule']})")
-    if "slo" in report:
-        print(f"SLO: TTFT <= {report['slo']['ttft_s']:.3f} s and mean ITL <= {report['slo']['mean_itl_ms']:.1f} ms "
-              f"({report['slo']['rule']})")
-    cols = list(summaries)
-    rows = [
-        ("completed", lambda s: f"{s['completed']}/{s['requests']}"),
-        ("makespan s", lambda s: fmt(s["makespan_s"], 1)),
-    ]
-    for label, key, scale in (("TTFT s", "ttft_s", 1), ("2nd token s", "tt2_s", 1), ("ITL ms", "itl_ms", 1),
-                              ("mean ITL ms", "mean_itl_ms", 1), ("E2E s", "e2e_s", 1)):
-        for q in ("p50", "p90", "p99"):
-            rows.append((f"{label} {q}", lambda s, key=key, q=q: fmt(s[key][q], 3)))
-    rows += [
-        ("goodput req/s (SLO)", lambda s: fmt(s.get("goodput_rps"), 4)),
-        ("SLO attainment", lambda s: fmt(s.get("slo_attainment"), 3)),
-        ("goodput req/s (2nd-token SLO)", lambda s: fmt(s.get("goodput_tt2_rps"), 4)),
-        ("2nd-token SLO attainment", lambda s: fmt(s.get("slo_tt2_attainment"), 3)),
-        ("WAN MB/request (P metric)", lambda s: fmt(s["wan_bytes_per_request_metric"] / 1e6, 2)),
-        ("WAN MB/request (resp)", lambda s: fmt(s["wan_bytes_per_request_resp"] / 1e6, 2)),
-        ("MD hit rate mean", lambda s: fmt(s["md_hit_mean"], 3)),
-        ("RLD token share", lambda s: fmt(s["rld_token_share"], 4)),
-        ("pipeline mix", lambda s: " ".join(f"{k}:{v}" for k, v in sorted(s["pipeline_mix"].items()))),
-        ("handoffs", lambda s: " ".join(f"{k}:{int(v)}" for k, v in sorted(s["handoffs"].items())) or "-"),
-        (f"{HandoffMode.CATCH_UP} max/median ITL (max)",
-         lambda s: fmt((s["handoff_max_over_median"].get(HandoffMode.CATCH_UP) or {}).get("max"), 2)),
-        (f"{HandoffMode.ONE_SHOT} max/median ITL (max)",
-         lambda s: fmt((s["handoff_max_over_median"].get(HandoffMode.ONE_SHOT) or {}).get("max"), 2)),
-        ("tokens per SSE chunk", lambda s: fmt(s["tokens_per_chunk"], 3)),
-        ("CPU cores: bench / others", lambda s: f"{s['cpu']['bench_cores']:.2f} / {s['cpu']['other_cores']:.2f}"),
-    ]
-    width = max(len(r[0]) for r in rows) + 2
-    print(f"{'':{width}s}" + "".join(f" {c:>19s}" for c in cols))
-    for label, fn in rows:
-        print(f"{label:{width}s}" + "".join(f" {fn(summaries[c]):>19s}" for c in cols))
 
 
 if __name__ == "__main__":

