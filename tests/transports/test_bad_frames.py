@@ -9,8 +9,8 @@ import zmq
 import zmq.asyncio
 
 from pdd.transports.blocks import FramePlan
-from pdd.transports.frames import FrameHeader, decode_header, error_class
 from pdd.transports.errors import TransferError
+from pdd.transports.frames import FrameHeader, decode_header, error_class
 
 from .conftest import PLUGINS, Pair, layout_for, snapshot, unchanged
 
@@ -46,11 +46,14 @@ async def inject(pair: Pair, header: bytes, payload: bytes) -> str:
 async def _inject_ucx(address: str, header: bytes, payload: bytes) -> str:
     import ucxx
 
+    from pdd.transports.ucx_transport import pack_batch
+
     host, _, port = address.rpartition(":")
     ep = await ucxx.create_endpoint(host, int(port))
     try:
-        await ep.send(struct.pack(">QII", 7, len(header), len(payload)))
-        await ep.send(header)
+        prefix, index = pack_batch(7, [(header, payload)])  # a batch of one frame (wire 2)
+        await ep.send(prefix)
+        await ep.send(index)
         if payload:
             await ep.send(payload)
         ack = bytearray(12)
