@@ -56,7 +56,6 @@ from pdd.loadgen.workload import WORDS as _WORDS  # one-token English words
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.pipelines import Pipeline
 
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M fp32: 46,080 B/token
 TARGET_RATIO, RATIO_TOLERANCE = 1.6, 0.1  # the report: naive P50 TTFT 6.7 s / same-site 4.2 s
 SLO_SHARE = 0.9  # goodput: the share of requests that must meet the SLO
 
