@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
@@ -39,30 +40,32 @@ async def inject(pair: Pair, header: bytes, payload: bytes) -> str:
         code = struct.unpack(">I", code)[0]
         return "ok" if code == 0 else error_class(code).__name__
     if pair.name == "ucx":
-        return await pair.receiver._lt.run(_inject_ucx(pair.receiver.descriptor()["address"], header, payload))
+        return await pair.sender._lt.run(_inject_ucx(pair, header, payload))
     raise AssertionError(pair.name)
 
 
-async def _inject_ucx(address: str, header: bytes, payload: bytes) -> str:
-    import ucxx
+async def _inject_ucx(pair: Pair, header: bytes, payload: bytes) -> str:
+    """One raw batch over a fresh link of the real sender (hello, data endpoint, then the batch)."""
+    from pdd.transports.errors import RemoteRejected
+    from pdd.transports.ucx_transport import UcxTransport
 
-    from pdd.transports.ucx_transport import pack_batch
-
-    host, _, port = address.rpartition(":")
-    ep = await ucxx.create_endpoint(host, int(port))
+    descriptor = pair.receiver.descriptor()
+    host, _, port = descriptor["address"].rpartition(":")
+    link = await pair.sender._connect_here(host, int(port), bytes.fromhex(descriptor["worker"]))
     try:
-        prefix, index = pack_batch(7, [(header, payload)])  # a batch of one frame (wire 2)
-        await ep.send(prefix)
-        await ep.send(index)
-        if payload:
-            await ep.send(payload)
-        ack = bytearray(12)
-        await ep.recv(ack)
-        seq, code = struct.unpack(">QI", ack)
-        assert seq == 7
-        return "ok" if code == 0 else error_class(code).__name__
+        ack = asyncio.get_running_loop().create_future()
+        seq = link.next_seq
+        link.next_seq += 1
+        link.inflight[seq] = (ack, len(payload))
+        await UcxTransport._post(link, seq, [(header, memoryview(payload))])
+        try:
+            await ack
+        except RemoteRejected as exc:
+            return exc.remote_kind
+        return "ok"
     finally:
-        await ep.close()
+        pair.sender._links.remove(link)
+        await pair.sender._close_link(link)
 
 
 def frame(pair: Pair, rid: str, dst=(4, 5), **over) -> tuple[bytes, bytes]:
