@@ -1,24 +1,114 @@
-"""Engine benchmark: decode tok/s at 1/8/32 concurrent requests (128 greedy tokens each) and
-prefill tok/s (8 x 512), versus Hugging Face transformers `generate` (batched, left-padded) on
-the same checkpoint (SmolLM2-135M from the packaged GGUF), fp32, same thread count, one run.
+"""Engine benchmark against the machine's own limits, measured in the same run.
 
-Run: python bench/engine.py [--threads N] [--new-tokens 128] [--batches 1,8,32]
-Last stdout line: one JSON object with every figure and the ratios.
+Limits (at the engine's thread count):
+* memory-read bandwidth: best time of ``x.sum()`` over a float32 tensor far larger than the last-level
+  cache (a streaming read; the sum's arithmetic is negligible), bytes / seconds;
+* GEMM peak per dtype: best ``torch.mm`` rate on square matrices (2·n³ FLOPs), largest sizes that fit
+  the time budget.
+
+Engine figures per dtype (float32, bfloat16): decode tok/s at 1/8/32 concurrent requests (greedy,
+``--new-tokens`` each, prompts of ``--prompt-len``) and prefill tok/s (``--prefill-batch`` x ``--prefill-len``),
+each as a fraction of its limit:
+* ``b1_fraction_of_bandwidth_limit`` = tok/s x weight bytes / bandwidth (weight bytes: every matrix and
+  norm a decode step reads, lm_head included, in the run's dtype; the embedding lookup reads one row);
+* ``bN_fraction_of_gemm_peak`` and ``prefill_fraction_of_gemm_peak`` = model FLOPs of the run / seconds /
+  GEMM peak, FLOPs per sequence = 2·P_layers·T + 4·L·Hq·D·sum(ctx) + 2·V·H·S, where T is the tokens
+  forwarded (prompt + outputs - 1), ctx the causal context of each forwarded token (position + 1), S the
+  rows that sample (lm_head runs only for them), P_layers the projection weights of all layers.
+The float32 run also runs Hugging Face transformers ``generate`` (batched, left-padded) on the same
+checkpoint for the ratios. Where the CPU has no native bf16 (avx512_bf16 / amx_bf16 absent) torch's
+bf16 matmul falls back to scalar code: the bfloat16 pass then runs batch 1 and a 1x16 prefill only (its
+batched fractions are null, the reduced sizes are printed in the JSON).
+
+Run: python bench/engine.py [--threads N] [--dtypes float32,bfloat16] [--quick] [--model PATH]
+Last stdout line: one JSON object with every figure, the limits, the fractions and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
 import time
+from dataclasses import dataclass
+
+DTYPE_SUFFIX = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+@dataclass
+class Shape:
+    """The sizes one dtype pass runs."""
+
+    batches: list[int]
+    new_tokens: int
+    prompt_len: int
+    prefill_batch: int
+    prefill_len: int
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+    lo = min(100, vocab // 2)
+    return [[rng.randrange(lo, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def _best(fn, repeats: int) -> float:
+    """Best wall time of fn() over repeats (after one warm call): the least disturbed run."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Memory-read bandwidth in bytes/s: a float32 sum over nbytes (reads each byte once)."""
+    import torch
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    return x.numel() * 4 / _best(lambda: x.sum(), repeats)
+
+
+def measure_gemm_peak(dtype_name: str, max_n: int, budget_s: float = 1.0) -> tuple[float, int]:
+    """Best torch.mm FLOP/s on square matrices, doubling n from 256 up to max_n or the time budget."""
+    import torch
+
+    from pdd.shared.kv_layout import dtype_from_name
+
+    dtype = dtype_from_name(dtype_name)
+    best, best_n, n = 0.0, 0, 256
+    while n <= max_n:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        t = _best(lambda a=a, b=b: torch.mm(a, b), 3)
+        if 2 * n**3 / t > best:
+            best, best_n = 2 * n**3 / t, n
+        if t * 4 > budget_s:  # next size takes ~8x longer
+            break
+        n *= 2
+    return best, best_n
+
+
+def weight_params(cfg) -> tuple[int, int, int]:
+    """(projection params of all layers, lm_head params, norm params) of a Llama-family model."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    norms = cfg.num_layers * 2 * h + h + (cfg.num_layers * 2 * d if cfg.qk_norm else 0)
+    return cfg.num_layers * per_layer, cfg.vocab_size * h, norms
+
+
+def run_flops(cfg, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs for one sequence: prompt_len prompt tokens, new_tokens greedy outputs (formula above)."""
+    layers, lm_head, _ = weight_params(cfg)
+    forwarded = prompt_len + new_tokens - 1
+    ctx_sum = forwarded * (forwarded + 1) // 2
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ctx_sum
+    return 2 * layers * forwarded + attn + 2 * lm_head * new_tokens
 
 
 def _hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> float:
@@ -47,68 +137,150 @@ def _engine_generate(engine, prompts: list[list[int]], new_tokens: int) -> float
     return time.perf_counter() - start
 
 
+def _load_hf(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pdd.shared.model_files import is_gguf
+
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def run_dtype(path: str, dtype: str, shape: Shape, threads: int, with_hf: bool,
+              bandwidth: float, peak: float) -> tuple[dict, list[tuple]]:
+    """One dtype pass: engine (and HF) figures and their fractions of the limits."""
+    from pdd.engine import Engine
+
+    sfx = DTYPE_SUFFIX[dtype]
+    kv_tokens = max(max(shape.batches) * (shape.prompt_len + shape.new_tokens), shape.prefill_batch * shape.prefill_len)
+    t0 = time.perf_counter()
+    engine = Engine.from_model(path, dtype, num_threads=threads, enable_prefix_cache=False, load_tokenizer=False,
+                               kv_memory_bytes=0, num_blocks=(kv_tokens + 15) // 16 + 64,
+                               max_num_seqs=max(shape.batches),
+                               max_prefill_tokens=max(shape.prefill_batch * shape.prefill_len,
+                                                      max(shape.batches) * shape.prompt_len))
+    cfg = engine.config
+    figures: dict = {f"load_engine_s_{sfx}": round(time.perf_counter() - t0, 2)}
+    hf = None
+    if with_hf:
+        t0 = time.perf_counter()
+        hf = _load_hf(path)
+        figures["load_hf_s"] = round(time.perf_counter() - t0, 2)
+    vocab = cfg.vocab_size
+    _engine_generate(engine, _prompts(vocab, 2, 8, 0), 2)  # warm: first-call allocations, thread pools
+    if hf is not None:
+        _hf_generate(hf, _prompts(vocab, 2, 8, 0), 2)
+    layers, lm_head, norms = weight_params(cfg)
+    itemsize = 4 if dtype == "float32" else 2
+    weight_bytes = (layers + lm_head + norms) * itemsize
+    figures[f"weight_bytes_{sfx}"] = weight_bytes
+    rows = []
+    for b in shape.batches:
+        prompts = _prompts(vocab, b, shape.prompt_len, b)
+        seconds = _engine_generate(engine, prompts, shape.new_tokens)
+        tok_s = b * shape.new_tokens / seconds
+        figures[f"engine_tok_s_batch{b}_{sfx}"] = round(tok_s, 2)
+        frac = {"gemm": b * run_flops(cfg, shape.prompt_len, shape.new_tokens) / seconds / peak}
+        if b == 1:
+            frac["bandwidth"] = tok_s * weight_bytes / bandwidth
+            figures[f"b1_fraction_of_bandwidth_limit_{sfx}"] = round(frac["bandwidth"], 4)
+        figures[f"b{b}_fraction_of_gemm_peak_{sfx}"] = round(frac["gemm"], 4)
+        theirs = None
+        if hf is not None:
+            theirs = b * shape.new_tokens / _hf_generate(hf, prompts, shape.new_tokens)
+            figures[f"hf_tok_s_batch{b}"] = round(theirs, 2)
+            figures[f"ratio_vs_hf_batch{b}"] = round(tok_s / theirs, 3)
+        rows.append((dtype, f"decode b{b}", tok_s, frac, theirs))
+    prompts = _prompts(vocab, shape.prefill_batch, shape.prefill_len, 999)
+    n = shape.prefill_batch * shape.prefill_len
+    seconds = _engine_generate(engine, prompts, 1)
+    tok_s = n / seconds
+    frac = {"gemm": shape.prefill_batch * run_flops(cfg, shape.prefill_len, 1) / seconds / peak}
+    figures[f"engine_prefill_tok_s_{sfx}"] = round(tok_s, 2)
+    figures[f"prefill_fraction_of_gemm_peak_{sfx}"] = round(frac["gemm"], 4)
+    theirs = None
+    if hf is not None:
+        theirs = n / _hf_generate(hf, prompts, 1)
+        figures["hf_prefill_tok_s"] = round(theirs, 2)
+        figures["prefill_ratio_vs_hf"] = round(tok_s / theirs, 3)
+    rows.append((dtype, f"prefill {shape.prefill_batch}x{shape.prefill_len}", tok_s, frac, theirs))
+    figures[f"kv_bytes_per_token_{sfx}"] = engine.layout.bytes_per_token
+    return figures, rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--model", default="default", help="checkpoint folder, .gguf file, or 'default' (SmolLM2-135M)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt length for the decode runs")
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--quick", action="store_true",
+                    help="smallest run (tests): batches 1,8, 4 new tokens, prompts of 8, prefill 2x16, small limits")
     args = ap.parse_args()
     import torch  # after the arguments: --help stays fast
 
+    from pdd.shared.model_files import resolve_model_path
+
     torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPE_SUFFIX:
+            ap.error(f"--dtypes: {d!r} is not one of {sorted(DTYPE_SUFFIX)}")
+    if args.quick:
+        shape = Shape([1, 8], 4, 8, 2, 16)
+        bw_bytes, max_n = 64 << 20, 512
+    else:
+        shape = Shape([int(b) for b in args.batches.split(",")], args.new_tokens, args.prompt_len,
+                      args.prefill_batch, args.prefill_len)
+        bw_bytes, max_n = 512 << 20, 2048
+    from pdd.engine.cpu_features import bf16_support
 
-    from transformers import AutoModelForCausalLM
+    native = bf16_support()[0]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    bandwidth = measure_bandwidth(bw_bytes)
+    figures: dict = {"threads": args.threads, "load_avg_1min": round(load, 2), "bf16_native": native,
+                     "read_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
+    rows: list[tuple] = []
+    peaks: dict[str, float] = {}
+    for dtype in dtypes:
+        sfx = DTYPE_SUFFIX[dtype]
+        peak, n = measure_gemm_peak(dtype, max_n)
+        peaks[sfx] = peak
+        figures[f"gemm_peak_gflop_s_{sfx}"] = round(peak / 1e9, 2)
+        figures[f"gemm_peak_n_{sfx}"] = n
+        dshape = shape
+        if dtype == "bfloat16" and not native and not args.quick:
+            # without bf16 instructions torch's bf16 matmul is a scalar fallback (~0.2 GFLOP/s, a SmolLM2
+            # decode step takes seconds): batch 1 and a short prefill only, the batched figures are null
+            dshape = Shape([1], 2, 4, 1, 16)
+            figures["bf16_reduced_shape"] = dshape.__dict__
+            figures.update({f"b{b}_fraction_of_gemm_peak_bf16": None for b in shape.batches if b != 1})
+        f, r = run_dtype(path, dtype, dshape, args.threads, dtype == "float32" and not args.no_hf, bandwidth, peak)
+        figures.update(f)
+        rows.extend(r)
+    if "fp32" in peaks and "bf16" in peaks:
+        figures["bf16_prefill_speedup_over_fp32"] = round(
+            figures["engine_prefill_tok_s_bf16"] / figures["engine_prefill_tok_s_fp32"], 3)
+        figures["bf16_b1_speedup_over_fp32"] = round(
+            figures["engine_tok_s_batch1_bf16"] / figures["engine_tok_s_batch1_fp32"], 3)
 
-    from pdd.engine import Engine
-    from pdd.shared.model_files import default_model_path
-
-    path = default_model_path()
-    batches = [int(b) for b in args.batches.split(",")]
-    kv_tokens = max(max(batches) * (args.prompt_len + args.new_tokens), args.prefill_batch * args.prefill_len)
-    t0 = time.perf_counter()
-    engine = Engine.from_model(path, dtype="float32", num_threads=args.threads, enable_prefix_cache=False,
-                               kv_memory_bytes=0, num_blocks=(kv_tokens + 15) // 16 + 64,
-                               max_num_seqs=max(batches), max_prefill_tokens=args.prefill_batch * args.prefill_len)
-    load_engine = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
-    load_hf = time.perf_counter() - t0
-    vocab = engine.config.vocab_size
-    # warm both (first-call allocations, thread pools)
-    _engine_generate(engine, _prompts(vocab, 2, 16, 0), 4)
-    _hf_generate(hf, _prompts(vocab, 2, 16, 0), 4)
-
-    figures: dict[str, float] = {"threads": args.threads, "load_engine_s": round(load_engine, 2),
-                                 "load_hf_s": round(load_hf, 2)}
-    rows = []
-    for b in batches:
-        prompts = _prompts(vocab, b, args.prompt_len, b)
-        ours = b * args.new_tokens / _engine_generate(engine, prompts, args.new_tokens)
-        theirs = b * args.new_tokens / _hf_generate(hf, prompts, args.new_tokens)
-        figures[f"engine_tok_s_batch{b}"] = round(ours, 1)
-        figures[f"hf_tok_s_batch{b}"] = round(theirs, 1)
-        figures[f"ratio_vs_hf_batch{b}"] = round(ours / theirs, 3)
-        rows.append((f"decode batch {b}", ours, theirs))
-    prompts = _prompts(vocab, args.prefill_batch, args.prefill_len, 999)
-    n = args.prefill_batch * args.prefill_len
-    ours = n / _engine_generate(engine, prompts, 1)
-    theirs = n / _hf_generate(hf, prompts, 1)
-    figures["engine_prefill_tok_s"] = round(ours, 1)
-    figures["hf_prefill_tok_s"] = round(theirs, 1)
-    figures["prefill_ratio_vs_hf"] = round(ours / theirs, 3)
-    rows.append((f"prefill {args.prefill_batch}x{args.prefill_len}", ours, theirs))
-    figures["kv_pool_bytes"] = engine.kv_pool_bytes()
-    figures["kv_pool_blocks"] = engine.num_total_blocks()
-    figures["kv_bytes_per_token"] = engine.layout.bytes_per_token
-
-    print(f"{'run':<20}{'engine tok/s':>14}{'HF tok/s':>12}{'ratio':>8}")
-    for name, a, b in rows:
-        print(f"{name:<20}{a:>14.1f}{b:>12.1f}{a / b:>8.2f}")
-    print(f"KV pool: {figures['kv_pool_bytes'] / 2**20:.1f} MiB ({figures['kv_pool_blocks']} blocks of 16 tokens)")
+    print(f"load {load:.2f}, {args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM peak "
+          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()) + f", native bf16: {native}")
+    print(f"{'dtype':<10}{'run':<16}{'tok/s':>10}{'of BW':>8}{'of GEMM':>9}{'HF tok/s':>10}{'vs HF':>7}")
+    for dtype, name, tok_s, frac, theirs in rows:
+        bw = f"{frac['bandwidth']:.3f}" if "bandwidth" in frac else "-"
+        hf_s = f"{theirs:.1f}" if theirs else "-"
+        ratio = f"{tok_s / theirs:.2f}" if theirs else "-"
+        print(f"{dtype:<10}{name:<16}{tok_s:>10.1f}{bw:>8}{frac['gemm']:>9.3f}{hf_s:>10}{ratio:>7}")
     print(json.dumps(figures))
     return 0
 

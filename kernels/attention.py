@@ -102,12 +102,12 @@ def write_kv(
 ) -> None:
     """Store new K/V rows [T, kv_heads, head_dim] into their pool slots."""
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    return cache.index_select(0, block_ids)
+    return cache.index_select(0, block_ids).float()  # attention runs in fp32 (paged_attention)
 
 
 def _decode_attention(
@@ -143,8 +143,31 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write the new K/V into the pool and attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq*D]."""
+    """Write the new K/V into the pool and attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq*D].
+
+    Attention itself runs in fp32 whatever the model and KV dtypes (K/V as stored in the pool, so a
+    fresh prompt sees the same values an extend gathers). Why: in bf16, decode (matmul + softmax) and
+    prefill/extend (SDPA, fp32 accumulation) rounded differently, so main decode's extend over the
+    relay's tokens drifted from one engine's decode within ~20-150 tokens; in fp32 they agree. For an
+    fp32 model this changes nothing.
+    """
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    out_dtype = q.dtype
+    if out_dtype != torch.float32 or k_cache.dtype != torch.float32:
+        q, k, v = q.float(), k.to(k_cache.dtype).float(), v.to(v_cache.dtype).float()
+        return _attend(q, k, v, k_cache, v_cache, meta, scale).to(out_dtype)
+    return _attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     num_tokens, hq, dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv

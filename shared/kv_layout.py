@@ -16,6 +16,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+DTYPE_NAMES: tuple[str, ...] = tuple(_DTYPES)  # the KV dtypes a layout may name
 
 
 def dtype_name(dtype: torch.dtype) -> str:

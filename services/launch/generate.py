@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from pdd.engine.cpu_features import AUTO, SERVING_DTYPES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default", help="HF checkpoint folder, .gguf file, or 'default' (SmolLM2-135M)")
@@ -19,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with prompt and output token ids")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *SERVING_DTYPES],
+                        help="weights dtype; auto (default, as `pdd up`): bfloat16 where the CPU has avx512_bf16 "
+                             "or amx_bf16, else float32")
+    parser.add_argument("--kv-dtype", default=AUTO, choices=[AUTO, *SERVING_DTYPES],
+                        help="KV dtype; auto: the weights' dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
@@ -28,14 +34,15 @@ def run(args: argparse.Namespace) -> int:
     from pdd.shared.tokenizer import render_chat
 
     try:
-        engine = Engine.from_model(args.model, dtype=args.dtype, num_threads=args.threads,
+        engine = Engine.from_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, num_threads=args.threads,
                                    kv_memory_bytes=64 * 1024 * 1024)
+        print(f"[pdd generate] {engine.dtype_choice.reason}", file=sys.stderr)
         tok = engine.tokenizer
         prompt_ids = render_chat(tok, args.prompt, args.system) if args.chat else list(tok(args.prompt).input_ids)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, stop=list(args.stop))
         engine.add_request("cli", prompt_ids, params, max_new_tokens=args.max_tokens)
-    except (EngineInputError, FileNotFoundError) as exc:
+    except (EngineInputError, FileNotFoundError, ValueError) as exc:  # ValueError: a dtype pair it cannot run
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out: list[int] = []

@@ -49,6 +49,7 @@ class Registry:
         self.missed_heartbeats = missed_heartbeats
         self.clock = clock
         self._instances: dict[str, InstanceState] = {}
+        self.refused: dict[str, str] = {}  # instance -> why it gets no work (a KV layout unlike the fleet's)
         self._task: asyncio.Task | None = None
         self._announce_sub: Any = None
         self.changed = asyncio.Event()
@@ -81,9 +82,12 @@ class Registry:
     def observe(self, info: Announce) -> None:
         known = info.instance_id in self._instances
         if info.state == "stopped":
+            self.refused.pop(info.instance_id, None)
             if self._instances.pop(info.instance_id, None) is not None:
                 log.info("instance_left", instance=info.instance_id, role=info.role)
                 self._changed()
+            return
+        if not known and self._refuse_kv_layout(info):
             return
         was_confirmed = known and self._instances[info.instance_id].confirmed
         self._instances[info.instance_id] = InstanceState(info, self.clock())
@@ -92,6 +96,33 @@ class Registry:
         if not known:
             log.info("instance_joined", instance=info.instance_id, role=info.role, site=info.site)
             self._changed()
+
+    def _refuse_kv_layout(self, info: Announce) -> bool:
+        """KV pages move between P, RLD and MD as raw bytes, so a fleet has one KV layout (dtype included).
+
+        An engine instance refuses to start into a fleet of another layout (services/engine_service.py);
+        this catches two that start at once: the one whose layout differs from those already known gets
+        no work, logged once with both dtypes.
+        """
+        if not info.kv_layout:
+            return False
+        other = next((st.info for st in self._instances.values()
+                      if st.info.kv_layout and st.info.kv_layout != info.kv_layout), None)
+        if other is None:
+            return False
+        if info.instance_id not in self.refused:
+            reason = (f"KV dtype/layout {info.kv_layout.get('dtype')} {info.kv_layout} differs from "
+                      f"{other.kv_layout.get('dtype')} {other.kv_layout} of {other.role} {other.instance_id}")
+            self.refused[info.instance_id] = reason
+            log.error("instance_refused", instance=info.instance_id, role=info.role, reason=reason)
+        return True
+
+    def serving_dtypes(self) -> dict[str, str | None]:
+        """The weights and KV dtypes the ready engine instances announce (several: comma-separated)."""
+        engines = [i for i in self.instances() if i.kv_layout]
+        dtypes = sorted({i.dtype for i in engines if i.dtype})
+        kv_dtypes = sorted({str(i.kv_layout.get("dtype")) for i in engines})
+        return {"dtype": ",".join(dtypes) or None, "kv_dtype": ",".join(kv_dtypes) or None}
 
     def prune(self) -> list[str]:
         if not self.bus.is_connected:  # our outage, not theirs: keep the view, re-time it on reconnect

@@ -1,0 +1,131 @@
+"""Batch invariance on the real model (SmolLM2-135M): a request's greedy tokens do not depend on what
+else is in the batch, nor on whether its KV was prefilled here, imported from another engine, or
+extended from known tokens. Handoff and migration promise exactly this.
+
+What holds and what does not (docs/ENGINE.md, "Correctness and batch invariance"): the greedy tokens
+are equal in every case below; the logits are bit-identical between batches of 2..32 decode rows, but
+not between a batch of one and a larger batch (torch's CPU attention takes another reduction order
+for one sequence) nor between an extend pass and decode steps (~1e-4 in fp32), so the token equality
+here is what these paths guarantee in fp32, not bitwise logits. In bf16 (attention then ran in bf16)
+SmolLM2's greedy tokens after an extend of 2+ tokens diverged from batch-1 decode at output 19; attention
+now runs in fp32 in every dtype, but extend and decode still reduce in different orders, so those bf16
+cases stay skipped, not claimed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdd.engine import Engine, SamplingParams
+from pdd.engine.cpu_features import bf16_support
+
+from .conftest import run_all
+
+N = 32  # greedy tokens compared per request
+GREEDY = SamplingParams(ignore_eos=True)
+# bf16 GEMMs are emulated (about 50x slower) on CPUs without native bf16: slow there
+_SLOW_BF16 = [] if bf16_support()[0] else [pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=_SLOW_BF16)])
+def engine(request) -> Engine:
+    from pdd.shared.model_files import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    return Engine.from_model("default", dtype=request.param, kv_memory_bytes=256 << 20,
+                             max_num_seqs=64, enable_prefix_cache=False)
+
+
+@pytest.fixture(scope="module")
+def texts(engine) -> list[list[int]]:
+    """Real text (Python's own reference manual, fixed per Python version) cut into prompts."""
+    from pydoc_data.topics import topics
+
+    ids = engine.tokenizer(topics["compound"]).input_ids
+    target = ids[:64]
+    others = [ids[100 + 23 * i : 100 + 23 * i + 5 + (i * 7) % 50] for i in range(31)]  # 5..54 tokens
+    return [target] + others
+
+
+@pytest.fixture(scope="module")
+def alone(engine, texts) -> list[int]:
+    engine.add_request("alone", texts[0], GREEDY, max_new_tokens=N)
+    return run_all(engine)["alone"]
+
+
+def _skip_bf16_multi_token_extend(engine: Engine) -> None:
+    """Not claimed in bf16 (docs/ENGINE.md): the extend pass and batch-1 decode steps reduce attention in
+    different orders, which a bf16 rounding of the residual stream can turn into a flipped near-tie."""
+    if engine.model.dtype == torch.bfloat16:
+        pytest.skip("bf16: multi-token extend vs batch-1 decode not bit-equal (docs/ENGINE.md)")
+
+
+def _step_until_first(engine: Engine, rid: str) -> list[int]:
+    while True:
+        toks = [t for o in engine.step() if o.rid == rid for t in o.token_ids]
+        if toks:
+            return toks
+
+
+@pytest.mark.parametrize("batch", [8, 32])
+def test_batch_mates_do_not_change_tokens(engine, texts, alone, batch):
+    """The target arrives while half its batch mates decode (mixed prefill + decode steps)."""
+    others = texts[1:batch]
+    half = len(others) // 2
+    for i, p in enumerate(others[:half]):
+        engine.add_request(f"b{batch}-{i}", p, GREEDY, max_new_tokens=N + 8)
+    outs = {}
+    for _ in range(2):
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.token_ids)
+    engine.add_request("target", texts[0], GREEDY, max_new_tokens=N)
+    for i, p in enumerate(others[half:], start=half):
+        engine.add_request(f"b{batch}-{i}", p, GREEDY, max_new_tokens=N - 4)
+    assert engine.stats()["running"] + engine.stats()["waiting"] == batch
+    got = run_all(engine)
+    assert got["target"] == alone
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_extend_known_after_k_tokens(engine, texts, alone, k):
+    """First token from prefill, then k known tokens in one extend pass, then decode."""
+    _skip_bf16_multi_token_extend(engine)
+    engine.add_request("ext", texts[0], GREEDY, max_new_tokens=N)
+    first = _step_until_first(engine, "ext")
+    engine.extend_known("ext", alone[1 : 1 + k])
+    assert first + alone[1 : 1 + k] + run_all(engine)["ext"] == alone
+
+
+@pytest.mark.parametrize("known", [0, 8])
+def test_imported_kv_continues_identically(engine, texts, alone, known):
+    """P prefills and exports; a second engine (as RLD/MD) imports the blocks and continues after the
+    first token, or after the first token plus `known` relay tokens (the main decoder's catch-up)."""
+    if known:
+        _skip_bf16_multi_token_extend(engine)
+    decoder = Engine(engine.model, engine.tokenizer, num_blocks=64, enable_prefix_cache=False)
+    prompt = texts[0]
+    engine.add_request("x", prompt, GREEDY, max_new_tokens=1, hold_kv=True)
+    first = run_all(engine)["x"]
+    assert first == alone[:1]
+    src = engine.request_blocks("x")
+    plan = decoder.prepare_import("x", prompt, use_cache=False)
+    assert decoder.layout.compatible_with(engine.layout)
+    for layer in range(engine.layout.num_layers):
+        decoder.k_cache[layer][plan.dst_blocks] = engine.k_cache[layer][src]
+        decoder.v_cache[layer][plan.dst_blocks] = engine.v_cache[layer][src]
+    engine.release("x")
+    so_far = alone[: 1 + known]
+    decoder.commit_import("x", prompt, so_far, GREEDY, max_new_tokens=N)
+    assert so_far + run_all(decoder)["x"] == alone
+    assert decoder.num_free_blocks() == decoder.num_total_blocks() - decoder.cache.cached_blocks
+
+
+def test_alone_reference_is_reproducible(engine, texts, alone):
+    """The reference itself: the same request alone twice gives the same tokens (and it is not trivial)."""
+    engine.add_request("again", texts[0], GREEDY, max_new_tokens=N)
+    assert run_all(engine)["again"] == alone
+    assert len(set(alone)) > 4

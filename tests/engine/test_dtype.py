@@ -1,0 +1,166 @@
+"""Serving dtype: `auto` from the CPU's bf16 flags (injected /proc/cpuinfo text), the KV dtype option,
+and a bfloat16 engine end to end (this machine may lack native bf16; torch still computes it)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdd.engine import SamplingParams
+from pdd.engine.cpu_features import bf16_support, cpu_flags, resolve_dtypes
+
+from .conftest import make_engine, run_all
+
+# trimmed /proc/cpuinfo of three machine kinds
+AVX2_ONLY = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B12
+flags\t\t: fpu vme sse sse2 avx avx2 fma bmi2
+"""
+AVX512_BF16 = AVX2_ONLY.replace("bmi2", "bmi2 avx512f avx512bw avx512_vnni avx512_bf16")
+SAPPHIRE_RAPIDS = AVX2_ONLY.replace("bmi2", "bmi2 avx512f amx_bf16 amx_tile amx_int8")
+ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32\n"
+
+
+def test_cpu_flags_reads_x86_and_arm_lines():
+    assert {"avx2", "fma"} <= cpu_flags(AVX2_ONLY)
+    assert "asimd" in cpu_flags(ARM)
+    assert cpu_flags("") == set()
+
+
+@pytest.mark.parametrize("cpuinfo, native, flag", [
+    (AVX512_BF16, True, "avx512_bf16"),
+    (SAPPHIRE_RAPIDS, True, "amx_bf16"),
+    (AVX2_ONLY, False, None),
+    (ARM, False, None),
+    ("", False, None),
+])
+def test_auto_picks_bf16_only_with_native_bf16(cpuinfo, native, flag):
+    ok, reason = bf16_support(cpuinfo)
+    assert ok is native
+    choice = resolve_dtypes("auto", "auto", cpuinfo_text=cpuinfo)
+    assert choice.dtype == ("bfloat16" if native else "float32")
+    assert choice.kv_dtype == choice.dtype  # kv auto follows the weights
+    if flag:
+        assert flag in reason and flag in choice.reason  # the log says which flag decided
+    else:
+        assert "none of avx512_bf16, amx_bf16" in choice.reason
+
+
+def test_explicit_dtypes_win_over_the_cpu():
+    assert resolve_dtypes("float32", "auto", cpuinfo_text=AVX512_BF16).dtype == "float32"
+    choice = resolve_dtypes("bfloat16", "auto", cpuinfo_text=AVX2_ONLY)
+    assert (choice.dtype, choice.kv_dtype) == ("bfloat16", "bfloat16")
+    assert "set in config" in choice.reason
+    assert resolve_dtypes("auto", "float32", cpuinfo_text=AVX2_ONLY).kv_dtype == "float32"
+
+
+def test_bad_dtype_names_are_refused():
+    with pytest.raises(ValueError, match="kv_dtype must be one of"):
+        resolve_dtypes("auto", "int8")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtypes("fp32")
+
+
+def test_fp32_weights_with_bf16_kv(llama_path):
+    """A mixed pair runs (attention casts on write and computes in fp32): half the KV bytes with fp32
+    weights, logits within bf16 rounding of all-fp32, and KV moved between two such engines continues
+    exactly as one of them."""
+    fp32 = make_engine(llama_path, dtype="float32")
+    mixed = make_engine(llama_path, dtype="float32", kv_dtype="bfloat16")
+    assert mixed.model.dtype == torch.float32 and all(t.dtype == torch.bfloat16 for t in mixed.k_cache)
+    assert mixed.layout.bytes_per_token * 2 == fp32.layout.bytes_per_token
+    prompts = _prompts(fp32.config.vocab_size, 6, seed=5)
+    captured = {}
+    for name, engine in (("fp32", fp32), ("mixed", mixed)):
+        engine.capture_logits = True
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(ignore_eos=True), max_new_tokens=1)
+        run_all(engine)
+        captured[name] = torch.cat([engine.captured_logits[f"r{i}"][0].reshape(1, -1) for i in range(len(prompts))])
+    assert (captured["mixed"] - captured["fp32"]).abs().max().item() <= 0.04 * captured["fp32"].abs().max().item()
+
+    params, n = SamplingParams(ignore_eos=True), 12
+    ref = make_engine(llama_path, dtype="float32", kv_dtype="bfloat16")
+    ref.add_request("r", prompts[0], params, max_new_tokens=n)
+    expected = run_all(ref)["r"]
+    src, dst = (make_engine(llama_path, dtype="float32", kv_dtype="bfloat16") for _ in range(2))
+    src.add_request("x", prompts[0], params, max_new_tokens=1, hold_kv=True)
+    first = run_all(src)["x"]
+    plan = dst.prepare_import("x", prompts[0])
+    _copy_blocks(src, src.request_blocks("x"), dst, plan.dst_blocks)
+    src.release("x")
+    dst.commit_import("x", prompts[0], first, params, max_new_tokens=n)
+    assert first + run_all(dst)["x"] == expected
+
+
+def test_engine_resolves_auto_and_keeps_the_reason(llama_path):
+    engine = make_engine(llama_path, dtype="auto")
+    native, _ = bf16_support()
+    assert engine.dtype_choice.dtype == ("bfloat16" if native else "float32")
+    assert engine.layout.dtype == engine.dtype_choice.kv_dtype
+    assert "dtype auto" in engine.dtype_choice.reason
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
+
+
+def test_bf16_engine_weights_kv_and_bytes(llama_path):
+    fp32 = make_engine(llama_path, dtype="float32")
+    bf16 = make_engine(llama_path, dtype="bfloat16")
+    assert bf16.model.dtype == torch.bfloat16 and bf16.model.embed.dtype == torch.bfloat16
+    assert bf16.layout.dtype == "bfloat16"
+    assert all(t.dtype == torch.bfloat16 for t in bf16.k_cache + bf16.v_cache)
+    # half the KV bytes per token, so half of every KV transfer (the WAN included)
+    assert bf16.layout.bytes_per_token * 2 == fp32.layout.bytes_per_token
+    assert bf16.kv_pool_bytes() * 2 == fp32.kv_pool_bytes()
+    assert not bf16.layout.compatible_with(fp32.layout)
+
+
+def test_bf16_logits_track_fp32(llama_path):
+    """Same prompts in both dtypes: bf16 logits within bf16 rounding of fp32, top-1 mostly equal."""
+    engines = {d: make_engine(llama_path, dtype=d) for d in ("float32", "bfloat16")}
+    prompts = _prompts(engines["float32"].config.vocab_size, 12, seed=3)
+    captured = {}
+    for name, engine in engines.items():
+        engine.capture_logits = True
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(ignore_eos=True), max_new_tokens=1)
+        run_all(engine)
+        captured[name] = torch.cat([engine.captured_logits[f"r{i}"][0].reshape(1, -1) for i in range(len(prompts))])
+    ref, got = captured["float32"], captured["bfloat16"]
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= 0.04 * scale  # measured: about 0.011 * scale
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.75
+
+
+def _copy_blocks(src, src_blocks, dst, dst_blocks):
+    assert src.layout.compatible_with(dst.layout)
+    for layer in range(src.layout.num_layers):
+        dst.k_cache[layer][dst_blocks] = src.k_cache[layer][src_blocks]
+        dst.v_cache[layer][dst_blocks] = src.v_cache[layer][src_blocks]
+
+
+def test_bf16_export_import_extend_equals_one_engine(llama_path):
+    """P -> MD in bf16: imported KV, then extended known tokens, continue exactly as one bf16 engine."""
+    params = SamplingParams(ignore_eos=True)
+    n = 14
+    ref = make_engine(llama_path, dtype="bfloat16")
+    prompt = _prompts(ref.config.vocab_size, 1, seed=11)[0]
+    ref.add_request("r", prompt, params, max_new_tokens=n)
+    expected = run_all(ref)["r"]
+    p_engine, d_engine = make_engine(llama_path, dtype="bfloat16"), make_engine(llama_path, dtype="bfloat16")
+    p_engine.add_request("x", prompt, params, max_new_tokens=1, hold_kv=True)
+    first = run_all(p_engine)["x"]
+    assert first == expected[:1]
+    plan = d_engine.prepare_import("x", prompt)
+    _copy_blocks(p_engine, p_engine.request_blocks("x"), d_engine, plan.dst_blocks)
+    p_engine.release("x")
+    d_engine.commit_import("x", prompt, first, params, max_new_tokens=n)
+    d_engine.extend_known("x", expected[1:5])  # a relay's tokens handed over by id
+    out = run_all(d_engine)["x"]
+    assert first + expected[1:5] + out == expected
