@@ -107,6 +107,7 @@ def bench_args(base_url: str, served: str, name: str, rate: float, input_len: in
         "--num-prompts", str(n), "--random-input-len", str(input_len), "--random-output-len", str(output_len),
         "--random-range-ratio", str(ratio), "--request-rate", str(rate), "--warmup", str(warmup),
         "--seed", str(seed), "--timeout", "120", "--metrics-url", "none", "--no-progress",
+        "--metric-percentiles", "90,99",
         "--save-json", str(out),
     ])
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                            out_len, ratio, seed, args.num_prompts, args.warmup, path))
             machine[name] = summary["machine"]
             if not summary["completed"]:
-                print(json.dumps({"error": f"{name}: no request completed ({summary.get('errors')})",
+                print(json.dumps({"error": f"{name}: no request completed ({summary['pdd'].get('errors')})",
                                   "machine": machine}))
                 return 1
             ttfe = sorted(r["ttfe"] for r in summary["requests"] if r["success"])

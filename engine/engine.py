@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pdd.engine.config import ModelConfig
+from pdd.engine.cpu_features import DtypeChoice, resolve_dtypes
 from pdd.engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -31,7 +32,7 @@ from pdd.engine.kv_pool import KVPool
 from pdd.engine.model import CausalLM
 from pdd.engine.radix_cache import RadixCache
 from pdd.engine.request import ImportReservation, Request, Status, StepOutput
-from pdd.engine.sampling import SamplingParams, sample_rows
+from pdd.engine.sampling import SamplingParams, sample_rows, token_logprobs
 from pdd.engine.scheduler import Scheduler
 from pdd.kernels import build_attention_metadata
 from pdd.shared.kv_layout import KVLayout, dtype_from_name
@@ -53,17 +54,20 @@ class Engine:
         max_model_len: int | None = None,
         enable_prefix_cache: bool = True,
         cache_finished: bool = True,
+        dtype_choice: DtypeChoice | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.config: ModelConfig = cfg
         self.tokenizer = tokenizer
+        weights_dtype = _dtype_name(model.dtype)
+        self.dtype_choice = dtype_choice or DtypeChoice(weights_dtype, weights_dtype, "set by the caller")
         self.layout = KVLayout(
             num_layers=cfg.num_layers,
             block_size=block_size,
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            dtype=_dtype_name(model.dtype),
+            dtype=self.dtype_choice.kv_dtype,
         )
         if num_blocks is None:
             num_blocks = KVPool.blocks_for_budget(self.layout, kv_memory_bytes)
@@ -94,11 +98,16 @@ class Engine:
         path: str = "default",
         dtype: str = "float32",
         *,
+        kv_dtype: str = "auto",
         load_tokenizer: bool = True,
         num_threads: int | None = None,
         **kwargs: Any,
     ) -> "Engine":
-        """Load a HF checkpoint folder, a .gguf file, or "default" (the packaged SmolLM2 GGUF)."""
+        """Load a HF checkpoint folder, a .gguf file, or "default" (the packaged SmolLM2 GGUF).
+
+        ``dtype``/``kv_dtype``: "auto" resolves by the CPU's bf16 instructions (engine/cpu_features.py);
+        ``engine.dtype_choice`` says what was picked and why.
+        """
         from pdd.engine.loader import load_checkpoint
         from pdd.shared.model_files import resolve_model_path
         from pdd.shared.tokenizer import load_tokenizer as _load_tok
@@ -106,12 +115,13 @@ class Engine:
         if num_threads is None:
             num_threads = int(os.environ.get("PDD_NUM_THREADS", 0)) or os.cpu_count() or 1
         torch.set_num_threads(num_threads)
+        choice = resolve_dtypes(dtype, kv_dtype)
         path = resolve_model_path(path)
         config, weights = load_checkpoint(path)
-        model = CausalLM(config, weights, dtype_from_name(dtype))
+        model = CausalLM(config, weights, dtype_from_name(choice.dtype))
         del weights
         tokenizer = _load_tok(path) if load_tokenizer else None
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, tokenizer, dtype_choice=choice, **kwargs)
 
     # ---- introspection ----------------------------------------------------------------------
     @property
@@ -394,17 +404,21 @@ class Engine:
         for req, n in prefill:
             req.num_computed += n
         if sample_reqs:
-            tokens = sample_rows(logits, [r.params for r in sample_reqs], [r.num_outputs for r in sample_reqs])
+            params = [r.params for r in sample_reqs]
+            tokens = sample_rows(logits, params, [r.num_outputs for r in sample_reqs],
+                                 [(r.tokens, r.prompt_len) for r in sample_reqs], self.eos_token_ids)
+            logprobs = token_logprobs(logits, tokens, [p.logprobs for p in params])
             if self.capture_logits:
                 for i, req in enumerate(sample_reqs):
                     self.captured_logits.setdefault(req.rid, []).append(logits[i].clone())
-            for req, tok in zip(sample_reqs, tokens):
+            for req, tok, lp in zip(sample_reqs, tokens, logprobs):
                 position = req.num_outputs
                 req.tokens.append(tok)
                 reason = self._finish_reason(req, tok)
                 if reason:
                     self._finish(req, reason)
-                outputs.append(StepOutput(req.rid, [tok], position, reason is not None, reason))
+                outputs.append(StepOutput(req.rid, [tok], position, reason is not None, reason,
+                                          None if lp is None else [lp]))
         return outputs
 
     def _known_finish_reason(self, req: Request) -> str | None:
@@ -420,7 +434,7 @@ class Engine:
         p = req.params
         if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             return "stop"
-        if p.stop and self.tokenizer is not None and self._hits_stop_string(req):
+        if p.stop and req.num_outputs > p.min_tokens and self.tokenizer is not None and self._hits_stop_string(req):
             return "stop"
         if req.num_outputs >= req.max_new_tokens or len(req.tokens) >= self.max_context:
             return "length"

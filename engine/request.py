@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdd.engine.radix_cache import RadixNode
 from pdd.engine.sampling import SamplingParams
+from pdd.shared.protocol import TokenLogprobs
 
 _arrival = itertools.count()
 
@@ -61,6 +62,7 @@ class StepOutput:
     start_position: int  # output index of token_ids[0]
     finished: bool
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for logprobs
 
 
 @dataclass

@@ -4,17 +4,25 @@ The random draw for output position i of a request depends only on (seed, i): ea
 row gets its own generator seeded from a hash of the pair, and draws with the Gumbel-max trick.
 So a relay decoder and a main decoder that continue the same request from the same position
 pick the same token, whatever else shares their batches.
+
+Penalties and ``min_tokens`` (vLLM's semantics and order) depend only on the request's token
+history (prompt and outputs so far), recomputed from it at every draw: an engine that learned
+the outputs by ids (handoff, migration, preemption) holds the same state as the one that sampled
+them. Logprobs are vLLM's default ``raw_logprobs``: the log-softmax of the model's logits, before
+penalties, temperature and filters.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pdd.engine.errors import InvalidSamplingParamsError
+from pdd.shared.protocol import MAX_LOGPROBS, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -30,10 +38,22 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability (after temperature)
+    repetition_penalty: float = 1.0  # > 1 discourages tokens seen in the prompt or the output
+    presence_penalty: float = 0.0  # subtracted once from every token seen in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many outputs exist
+    logprobs: int | None = None  # None: none; n >= 0: the chosen token's and the top n alternatives'
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the draw depends on the token history (penalties, min_tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0)
 
     def validate(self) -> None:
         """Raise InvalidSamplingParamsError naming the bad field."""
@@ -53,14 +73,35 @@ class SamplingParams:
             raise InvalidSamplingParamsError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(s, int) or s < 0 for s in self.stop_token_ids):
             raise InvalidSamplingParamsError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidSamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidSamplingParamsError(f"repetition_penalty must be a finite number > 0, got "
+                                             f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2.0 <= v <= 2.0:
+                raise InvalidSamplingParamsError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidSamplingParamsError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidSamplingParamsError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
-    def with_seed(self) -> "SamplingParams":
+    def with_seed(self) -> SamplingParams:
         """A copy with a concrete seed (a fresh random one if unset), so draws are reproducible."""
         if self.seed is not None:
             return self
         copy = SamplingParams(**self.__dict__)
         copy.seed = random.getrandbits(63)
         return copy
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -72,8 +113,12 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def _filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then min_p, top-k, top-p (vLLM's order); log-probabilities to draw from."""
     logits = logits / params.temperature
     vocab = logits.shape[-1]
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -88,15 +133,76 @@ def _filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(logits, dim=-1)
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[int]:
-    """One token per row of float32 logits [R, V]; positions[r] is the output index being drawn."""
+def apply_history(logits: torch.Tensor, params: SamplingParams, tokens: Sequence[int], prompt_len: int,
+                  eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """min_tokens, then repetition, frequency and presence penalties (vLLM's order) on one row of logits.
+
+    ``tokens``: the prompt followed by every output so far; only they decide the result.
+    """
+    vocab = logits.shape[-1]
+    outputs = tokens[prompt_len:]
+    if len(outputs) < params.min_tokens:
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        banned = [t for t in banned if t < vocab]
+        if banned:
+            logits = logits.index_fill(0, torch.tensor(banned, dtype=torch.long), float("-inf"))
+    if params.repetition_penalty != 1.0 and tokens:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(list(tokens), dtype=torch.long)] = True
+        rp = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    if (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0) and outputs:
+        counts = torch.bincount(torch.tensor(list(outputs), dtype=torch.long), minlength=vocab)[:vocab]
+        counts = counts.to(logits.dtype)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                histories: Sequence[tuple[Sequence[int], int]] | None = None,
+                eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """One token per row of float32 logits [R, V]; positions[r] is the output index being drawn.
+
+    histories[r] = (prompt + outputs so far, prompt length): needed by rows whose params use it
+    (penalties, min_tokens); eos_token_ids are what min_tokens masks besides stop_token_ids.
+    Greedy rows without penalties take the argmax of the raw logits (no softmax).
+    """
     tokens = torch.argmax(logits, dim=-1).tolist()
     for row, (p, pos) in enumerate(zip(params, positions)):
+        row_logits = logits[row]
+        if p.uses_history:
+            if histories is None:
+                raise ValueError("sample_rows: penalties and min_tokens need the rows' token histories")
+            hist, prompt_len = histories[row]
+            row_logits = apply_history(row_logits, p, hist, prompt_len, eos_token_ids)
+            if p.greedy:
+                tokens[row] = int(torch.argmax(row_logits))
         if p.greedy:
             continue
-        logp = _filtered_logprobs(logits[row], p)
+        logp = _filtered_logprobs(row_logits, p)
         gen = torch.Generator().manual_seed(position_seed(int(p.seed or 0), pos))
         u = torch.rand(logp.shape[0], generator=gen, dtype=torch.float64).clamp_(min=1e-300)
         gumbel = -torch.log(-torch.log(u))
         tokens[row] = int(torch.argmax(logp.double() + gumbel))
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int | None]) -> list[TokenLogprobs | None]:
+    """Raw logprobs per row: log-softmax of the model's logits (vLLM's default ``raw_logprobs``).
+
+    counts[r]: None (row asked for none) or n, the number of top alternatives (most likely first).
+    """
+    rows = [r for r, n in enumerate(counts) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(counts)
+    if not rows:
+        return out
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logp[torch.arange(len(rows)), torch.tensor([tokens[r] for r in rows])].tolist()
+    width = max(counts[r] for r in rows)  # type: ignore[type-var]
+    top_v, top_i = torch.topk(logp, width, dim=-1) if width > 0 else (None, None)
+    for k, r in enumerate(rows):
+        n = counts[r] or 0
+        ids = top_i[k, :n].tolist() if n else []
+        vals = top_v[k, :n].tolist() if n else []
+        out[r] = TokenLogprobs(logprob=chosen[k], top_ids=ids, top_logprobs=vals)
+    return out

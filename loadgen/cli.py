@@ -1,4 +1,14 @@
-"""`pdd bench`: load-test any OpenAI-compatible endpoint (ours, vLLM, SGLang) and report like vLLM."""
+"""`pdd bench`: load-test any OpenAI-compatible endpoint (ours, vLLM, SGLang) with `vllm bench serve`'s
+flags and result keys, so scripts written for one carry over to the other.
+
+Without ``--model`` the first model of ``GET /v1/models`` is used, as vLLM does. The result JSON has
+vLLM's keys (``completed``, ``request_throughput``, ``mean_ttft_ms``, ``p99_itl_ms``, ``request_goodput``
+...; see loadgen/report.py for the definitions); PDD's own figures (pipeline mix, WAN bytes, relay
+token share from /metrics, TTFE, SLO attainment) sit under ``"pdd"``. Differences from vLLM, kept on
+purpose: the default endpoint is chat completions, ``--num-prompts`` defaults to 100, and an
+``agentic`` dataset (multi-turn sessions with a skewed prefix-hit mix) is there beside ``random`` and
+``sharegpt``.
+"""
 
 from __future__ import annotations
 
@@ -7,54 +17,74 @@ import asyncio
 import json
 import math
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from .workload import AgenticConfig, HitDistribution, RequestSpec, agentic_sessions, random_specs, sharegpt_specs
 
+DATASETS = ("random", "sharegpt", "agentic")
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--base-url", default="http://127.0.0.1:8000")
-    a("--endpoint", default="/v1/chat/completions", help="/v1/chat/completions or /v1/completions")
-    a("--model", default="default")
+    a("--base-url", default=None, help="server URL (default: http://HOST:PORT)")
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000)
+    a("--backend", choices=tuple(BACKEND_ENDPOINTS), default=None,
+      help="vLLM's backend names: openai/vllm -> /v1/completions, openai-chat -> /v1/chat/completions")
+    a("--endpoint", default=None, help="API path (default: from --backend, else /v1/chat/completions)")
+    a("--model", default=None, help="model to request (default: the first one GET /v1/models lists)")
+    a("--served-model-name", default=None, help="name sent as the request's model (default: --model)")
     a("--api-key", default=None)
-    a("--label", default="pdd", help="name of this setup (legend of the TTFT CDF)")
-    a("--dataset", choices=("agentic", "random", "sharegpt"), default="agentic")
-    a("--dataset-path", default=None, help="ShareGPT JSON file (--dataset sharegpt)")
+    a("--label", default="pdd", help="name of this setup (legend of the plots, result file name)")
+    a("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")
+    a("--dataset-path", default=None, help="ShareGPT JSON file (--dataset-name sharegpt)")
     a("--num-prompts", type=int, default=100)
+    a("--input-len", type=int, default=None, help="sets --random-input-len and --context-tokens")
+    a("--output-len", type=int, default=None, help="sets --random-output-len and --output-tokens")
+    a("--random-input-len", type=int, default=1024)
+    a("--random-output-len", type=int, default=128)
+    a("--random-range-ratio", type=float, default=0.0)
+    a("--random-prefix-len", type=int, default=0)
     a("--context-tokens", type=int, default=2048, help="agentic: prompt length target")
     a("--output-tokens", type=int, default=128, help="agentic: output length")
     a("--turns-per-session", type=int, default=8)
     a("--hit-weights", type=float, nargs=6, default=None,
       help="agentic: weights of hit bins 0-90,90-95,95-97,97-98,98-99,99-100 %% (default: report-like)")
     a("--anomalous-fraction", type=float, default=0.0)
-    a("--random-input-len", type=int, default=1024)
-    a("--random-output-len", type=int, default=128)
-    a("--random-range-ratio", type=float, default=0.0)
-    a("--random-prefix-len", type=int, default=0)
     a("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
-    a("--max-concurrency", type=int, default=None, help="closed loop: at most this many in flight")
-    a("--warmup", type=int, default=0, help="requests sent first and left out of the results")
-    a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLO, e.g. ttft:2000 tpot:50")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson, < 1 burstier)")
+    a("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    a("--num-warmups", "--warmup", dest="warmup", type=int, default=0,
+      help="requests sent first and left out of the results")
+    a("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 (ms)")
+    a("--percentile-metrics", default="ttft,tpot,itl", help="comma-separated: ttft,tpot,itl,e2el")
+    a("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     a("--seed", type=int, default=0)
     a("--timeout", type=float, default=600.0)
     a("--metrics-url", default=None, help="Prometheus endpoint (default: BASE_URL/metrics; 'none' to skip)")
-    a("--save-json", default=None, help="write summary + per-request records here")
-    a("--plot", default=None, help="TTFT CDF PNG path (this run plus every --compare file)")
-    a("--compare", nargs="*", default=[], help="earlier --save-json files to draw on the same CDF")
-    a("--no-progress", action="store_true")
+    a("--save-result", action="store_true", help="write the result JSON (vLLM's file name unless --result-filename)")
+    a("--save-detailed", action="store_true", help="with the per-request arrays and records")
+    a("--result-dir", default=None)
+    a("--result-filename", default=None)
+    a("--save-json", default=None, metavar="PATH",
+      help="PDD shorthand: --save-result --save-detailed --result-filename PATH")
+    a("--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="extra keys for the result JSON")
+    a("--plot", default=None, help="PNG path: TTFT, TPOT and ITL CDFs (this run plus every --compare file)")
+    a("--compare", nargs="*", default=[], help="earlier detailed result files to draw on the same plots")
+    a("--disable-tqdm", "--no-progress", dest="no_progress", action="store_true")
 
 
 def make_specs(args: argparse.Namespace) -> list[RequestSpec]:
     n = args.num_prompts + args.warmup
-    if args.dataset == "random":
+    if args.dataset_name == "random":
         return random_specs(n, args.random_input_len, args.random_output_len, args.random_range_ratio,
                             args.random_prefix_len, args.seed)
-    if args.dataset == "sharegpt":
+    if args.dataset_name == "sharegpt":
         if not args.dataset_path:
-            raise SystemExit("--dataset sharegpt needs --dataset-path")
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_specs(args.dataset_path, n, args.seed, max_output=args.output_tokens * 16)
     hits = HitDistribution(weights=tuple(args.hit_weights)) if args.hit_weights else HitDistribution()
     cfg = AgenticConfig(num_requests=n, context_tokens=args.context_tokens, output_tokens=args.output_tokens,
@@ -63,16 +93,39 @@ def make_specs(args: argparse.Namespace) -> list[RequestSpec]:
     return agentic_sessions(cfg)
 
 
+def _check(args: argparse.Namespace) -> None:
+    """Flag errors before any request is sent; each names its flag."""
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1 (got {args.num_prompts})")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (got {args.max_concurrency})")
+    if args.input_len is not None:
+        args.random_input_len = args.context_tokens = args.input_len
+    if args.output_len is not None:
+        args.random_output_len = args.output_tokens = args.output_len
+    if args.save_json:
+        args.save_result, args.save_detailed, args.result_filename = True, True, args.save_json
+    for item in args.metadata or []:
+        if "=" not in item:
+            raise ValueError(f"bad --metadata item {item!r}: use KEY=VALUE")
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from .report import parse_goodput, summarize
-    from .runner import LoadConfig, run_load
+    """Run the benchmark; returns the result dict (vLLM's keys, "pdd", and the detailed arrays)."""
+    from .report import detailed, parse_goodput, parse_metric_percentiles, parse_percentile_metrics, summarize
+    from .runner import LoadConfig, first_model, run_load
     from .scrape import pdd_figures, scrape
 
+    _check(args)
     slo = parse_goodput(args.goodput)
+    metrics = parse_percentile_metrics(args.percentile_metrics)
+    percentiles = parse_metric_percentiles(args.metric_percentiles)
     specs = make_specs(args)
-    base = args.base_url.rstrip("/")
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend or "openai-chat")
+    model_id = args.model or await first_model(base, args.api_key)
     metrics_url = None if args.metrics_url == "none" else (args.metrics_url or base + "/metrics")
-    cfg = LoadConfig(url=base + args.endpoint, model=args.model, request_rate=args.request_rate,
+    cfg = LoadConfig(url=base + endpoint, model=args.served_model_name or model_id, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, warmup=args.warmup,
                      seed=args.seed, timeout_s=args.timeout, api_key=args.api_key)
     before = await scrape(metrics_url) if metrics_url else None
@@ -90,39 +143,66 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         if progress:
             progress.stop()
     after = await scrape(metrics_url) if metrics_url else None
-    summary = summarize(results, duration, slo)
-    summary["pdd"] = pdd_figures(before, after, summary["completed"])
-    summary["setup"] = {
-        "label": args.label, "url": cfg.url, "model": args.model, "dataset": args.dataset,
-        "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
-        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "warmup": args.warmup,
-        "seed": args.seed,
+    result: dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend or "openai-chat",
+        "label": args.label, "model_id": model_id, "num_prompts": args.num_prompts,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
     }
-    summary["requests"] = [r.to_dict() for r in results]
-    return summary
+    for item in args.metadata or []:
+        key, _, value = item.partition("=")
+        result[key.strip()] = value.strip()
+    result.update(summarize(results, duration, slo, percentiles, metrics))
+    result["pdd"].update(pdd_figures(before, after, result["completed"]))
+    result["pdd"].update({"url": cfg.url, "dataset_name": args.dataset_name, "warmup": args.warmup,
+                          "seed": args.seed})
+    result.update(detailed(results))
+    return result
+
+
+def result_path(args: argparse.Namespace, model_id: str, date: str) -> Path:
+    """vLLM's default name: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, in --result-dir."""
+    name = args.result_filename or (
+        f"{args.label}-{args.request_rate}qps"
+        f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency is not None else ''}"
+        f"-{model_id.split('/')[-1]}-{date}.json")
+    return Path(args.result_dir) / name if args.result_dir else Path(name)
+
+
+DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "errors", "requests")
+
+
+def latency_series(result: dict[str, Any]) -> dict[str, list[float]]:
+    """TTFT, TPOT and ITL values (seconds) of a detailed result: PDD's records, else vLLM's arrays."""
+    records = [r for r in result.get("requests", []) if r.get("success")]
+    if records:
+        return {"ttft": [r["ttft"] for r in records], "tpot": [r["tpot"] for r in records if r.get("tpot")],
+                "itl": [x for r in records for x in r.get("itl", [])]}
+    return {"ttft": [t for t in result.get("ttfts", []) if t], "tpot": [],
+            "itl": [x for itl in result.get("itls", []) or [] for x in itl]}
 
 
 def run(args: argparse.Namespace) -> int:
     from .report import print_table
 
     try:
-        summary = asyncio.run(bench(args))
+        result = asyncio.run(bench(args))
     except ValueError as exc:
         print(f"pdd bench: {exc}", file=sys.stderr)
         return 2
-    head = {k: v for k, v in summary.items() if k != "requests"}
-    print_table({k: v for k, v in head.items() if k not in ("setup",)}, title=f"pdd bench: {args.label}")
-    if args.save_json:
-        Path(args.save_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save_json).write_text(json.dumps(summary, indent=1))
+    head = {k: v for k, v in result.items() if k not in DETAIL_KEYS}
+    print_table(head, title=f"pdd bench: {args.label}")
+    if args.save_result:
+        path = result_path(args, result["model_id"], result["date"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result if args.save_detailed else head, indent=1))
     if args.plot:
-        from .plots import plot_ttft_cdf
+        from .plots import plot_latency_cdfs
 
-        curves = {args.label: [r["ttft"] for r in summary["requests"] if r["success"]]}
-        for path in args.compare:
-            other = json.loads(Path(path).read_text())
-            label = other.get("setup", {}).get("label", Path(path).stem)
-            curves[label] = [r["ttft"] for r in other.get("requests", []) if r.get("success")]
-        plot_ttft_cdf(curves, args.plot)
+        runs = {args.label: latency_series(result)}
+        for other_path in args.compare:
+            other = json.loads(Path(other_path).read_text())
+            runs[other.get("label") or Path(other_path).stem] = latency_series(other)
+        plot_latency_cdfs(runs, args.plot, title=f"pdd bench: {result['model_id']}")
     print(json.dumps(head, default=str))
-    return 0 if summary["completed"] else 1
+    return 0 if result["completed"] else 1

@@ -15,11 +15,14 @@ token counts, else one per content chunk; 0 = right after the first event) or ``
 seconds; ``timeout_s`` marks a request that has not ended by then as timed out. Errors never raise:
 HTTP status, the in-band error object and any client exception are fields of the result.
 
-`send()` is `pdd bench`'s use of it (loadgen/runner.py): TTFT = first chunk carrying text; ITL = gaps
-between later text chunks; E2EL = whole request; TPOT = (E2EL - TTFT) / (output tokens - 1).
-TTFE = first stream event of any kind (a chat stream's role chunk, sent once the server has its first
-token): when the first tokens decode to no visible text yet (partial UTF-8, as a random tiny model
-often emits), TTFE is still the time to first token. Token counts come from the server's `usage` when
+`send()` is `pdd bench`'s use of it (loadgen/runner.py). It asks for usage on every chunk
+(``stream_options.continuous_usage_stats``: vLLM, SGLang and PDD send it) so that timing is by output
+position (loadgen/positions.py): TTFT = arrival of position 0; ITL = one gap per later position (a chunk
+that carried k tokens gives its gap to the first of them and 0 to the other k - 1); E2EL = whole
+request; TPOT = (E2EL - TTFT) / (output tokens - 1), the first token excluded. A server that says
+nothing about tokens per chunk gets `vllm bench serve`'s rule instead: TTFT = first chunk carrying
+text, ITL = gaps between text chunks. TTFE = first stream event of any kind (a chat stream's role
+chunk, sent once the server has its first token). Token counts come from the server's `usage` when
 it sends one (stream_options.include_usage), else one token per text chunk.
 """
 
@@ -35,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from .positions import PositionTimes
 from .workload import RequestSpec
 
 
@@ -257,6 +261,7 @@ class RequestResult:
     ttfe: float | None = None  # time to the first stream event (any data chunk)
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)
+    itl_per_token: bool = False  # itl has one gap per output position (else one per text chunk)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
@@ -280,7 +285,7 @@ def build_payload(spec: RequestSpec, model: str, endpoint: str) -> dict[str, Any
     """Chat or completions body for one spec; ignore_eos keeps the output length as specified."""
     body: dict[str, Any] = {
         "model": model, "max_tokens": spec.output_tokens, "stream": True, "temperature": 0.0,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if spec.ignore_eos:
         body["ignore_eos"] = True
@@ -302,10 +307,14 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, mode
     if s.t_first_event is not None:
         res.ttfe = s.t_first_event - s.t_send
     content = s.content_chunks
-    if content:
+    times = s.token_times() if content else None
+    if times:  # by output position
+        positions = PositionTimes(s.t_send, times)
+        res.ttft, res.itl, res.itl_per_token = positions.ttft, positions.gaps, True
+    elif content:  # by text chunk, as vllm bench serve
         res.ttft = content[0].t - s.t_send
         res.itl = [b.t - a.t for a, b in pairwise(content)]
-        res.text = s.text
+    res.text = s.text
     if s.exception is not None:
         res.error = f"{type(s.exception).__name__}: {s.exception}"[:300]
         return res

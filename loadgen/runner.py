@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import aiohttp
 import numpy as np
@@ -34,11 +34,37 @@ class LoadConfig:
 
 
 def intervals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
-    """Gaps between sends, like `vllm bench serve`: gamma(shape=b, scale=1/(rate*b))."""
-    if not math.isfinite(rate) or rate <= 0:
+    """Gaps between sends, like `vllm bench serve`: gamma(shape=b, scale=1/(rate*b)), then scaled so
+    that the n sends span exactly n / rate seconds (vLLM's normalisation: throughput figures do not
+    drift with the seed). Burstiness 1 is Poisson, < 1 burstier, > 1 smoother, inf evenly spaced."""
+    if burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0 (got {burstiness})")
+    if not math.isfinite(rate) or n == 0:
         return np.zeros(n)
-    rng = np.random.default_rng(seed)
-    return rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+    if rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 or inf (got {rate})")
+    if math.isinf(burstiness):
+        return np.full(n, 1.0 / rate)
+    gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (rate * burstiness), n)
+    return gaps * (n / rate) / gaps.sum() if gaps.sum() > 0 else gaps
+
+
+async def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The first model the server lists at ``/v1/models`` (what `vllm bench serve` does without --model)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        async with aiohttp.ClientSession() as session, \
+                session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                raise ValueError(f"GET {url}: HTTP {resp.status}: {(await resp.text())[:200]}; pass --model")
+            data = await resp.json(content_type=None)
+    except aiohttp.ClientError as exc:
+        raise ValueError(f"GET {url} failed ({exc}); is the server up? Or pass --model") from None
+    models = data.get("data") if isinstance(data, dict) else None
+    if not models or not isinstance(models[0], dict) or not models[0].get("id"):
+        raise ValueError(f"GET {url}: no model listed; pass --model")
+    return str(models[0]["id"])
 
 
 async def run_load(specs: Sequence[RequestSpec], cfg: LoadConfig,

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 WAN_BYTES = "pdd:wan_bytes_total"
 PIPELINE = "pdd:pipeline_requests_total"
 RLD_TOKENS = "pdd:rld_tokens_total"
-GENERATED = "pdd:generated_tokens_total"
+GENERATED = "pdd:generation_tokens_total"
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -126,7 +126,7 @@ class DecoderService(EngineService):
             inc.outputs.extend(out.token_ids)
             self.post(message.events_subject, TokenChunk(
                 request_id=rid, instance_id=self.instance_id, role=self.role, start=out.start_position,
-                token_ids=list(out.token_ids), finish_reason=out.finish_reason,
+                token_ids=list(out.token_ids), finish_reason=out.finish_reason, logprobs=out.logprobs or [],
                 meta={"resumed_at": len(message.output_ids)} if out.finished else {}))
             if out.finished:
                 self.finish(rid)
@@ -218,7 +218,7 @@ class DecoderService(EngineService):
     async def emit(self, inc: Incoming, out: StepOutput, **extra) -> None:
         await self.bus.publish(inc.req.events_subject, TokenChunk(
             request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role, start=out.start_position,
-            token_ids=list(out.token_ids), finish_reason=out.finish_reason, **extra))
+            token_ids=list(out.token_ids), finish_reason=out.finish_reason, logprobs=out.logprobs or [], **extra))
 
     async def drop(self, rid: str) -> None:
         """Forget a request here and free its blocks (idempotent)."""

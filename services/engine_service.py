@@ -9,12 +9,17 @@ import asyncio
 import time
 from typing import Any
 
+from nats.errors import Error as NatsError
+
 from pdd.engine import SamplingParams
+from pdd.engine.cpu_features import resolve_dtypes
 from pdd.services.engine_runner import EngineRunner
 from pdd.shared import metrics
-from pdd.shared.bus import Envelope
-from pdd.shared.config import InstanceConfig, PDDConfig, TransportConfig
+from pdd.shared.bus import Bus, Envelope
+from pdd.shared.config import ConfigError, InstanceConfig, PDDConfig, TransportConfig
+from pdd.shared.kv_layout import KVLayout
 from pdd.shared.protocol import (
+    Announce,
     CacheEvents,
     CacheQuery,
     CacheQueryReply,
@@ -31,9 +36,70 @@ from pdd.transports import KVTransport, Peer, create_transport
 log = get_logger("pdd.engine_service")
 
 
+class KVLayoutMismatchError(ConfigError):
+    """This instance's KV pages would not mean the same bytes as the running fleet's: refuse to start."""
+
+
+class FleetLayouts:
+    """The KV layouts (dtype included) the running P, RLD and MD instances announce.
+
+    A request's KV moves P -> RLD -> MD as raw pages, so all of them must share one layout. An instance
+    listens to the fleet's heartbeats while its model loads and refuses to start on a mismatch, naming
+    both dtypes (the router's registry also refuses such an instance, for two that start at once).
+    """
+
+    def __init__(self, own_id: str) -> None:
+        self.own_id = own_id
+        self.seen: dict[str, Announce] = {}
+        self.started = time.monotonic()
+        self._sub: Any = None
+
+    @classmethod
+    async def listen(cls, bus: Bus, own_id: str) -> FleetLayouts:
+        fleet = cls(own_id)
+        fleet._sub = await bus.subscribe(Subjects.ANNOUNCE, fleet._on_announce, expect=Announce)
+        return fleet
+
+    async def _on_announce(self, message: Message, _: Envelope) -> None:
+        assert isinstance(message, Announce)
+        if message.instance_id == self.own_id:
+            return
+        if message.state == "stopped" or not message.kv_layout:
+            self.seen.pop(message.instance_id, None)
+        else:
+            self.seen[message.instance_id] = message
+
+    async def check(self, own: KVLayout, heartbeat_s: float) -> None:
+        """After at least 1.5 heartbeat periods of listening (every live instance beat once), compare."""
+        await asyncio.sleep(max(0.0, 1.5 * heartbeat_s - (time.monotonic() - self.started)))
+        for info in sorted(self.seen.values(), key=lambda a: a.instance_id):
+            try:
+                theirs = KVLayout.from_dict(info.kv_layout)
+            except (KeyError, TypeError, ValueError):
+                theirs = None
+            if theirs is None or not own.compatible_with(theirs):
+                their_dtype = info.kv_layout.get("dtype", "?")
+                raise KVLayoutMismatchError(
+                    f"KV dtype/layout mismatch: this instance's KV is {own.dtype} ({own.to_dict()}), but running "
+                    f"{info.role} {info.instance_id} uses {their_dtype} ({info.kv_layout}); every prefill, relay "
+                    f"and main decode of a fleet must resolve model.dtype / model.kv_dtype to the same KV dtype")
+        log.info("fleet_kv_layout_agrees", kv_dtype=own.dtype, peers=sorted(self.seen))
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except NatsError as exc:  # the connection may already be gone on a failed start
+                log.debug("unsubscribe_failed", error=str(exc))
+            self._sub = None
+
+
 def sampling_params(spec: SamplingSpec) -> SamplingParams:
     return SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos)
+                          stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos, min_p=spec.min_p,
+                          repetition_penalty=spec.repetition_penalty, presence_penalty=spec.presence_penalty,
+                          frequency_penalty=spec.frequency_penalty, min_tokens=spec.min_tokens,
+                          logprobs=spec.logprobs)
 
 
 class EngineService(Service):
@@ -48,6 +114,7 @@ class EngineService(Service):
         self._peers: dict[tuple[str, str], Peer] = {}
         self._peer_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
+        self._cache_counted = (0, 0)  # prefix-cache (query, hit) tokens already added to the counters
 
     @property
     def engine(self):
@@ -56,16 +123,28 @@ class EngineService(Service):
 
     async def on_start(self) -> None:
         m = self.config.model
-        log.info("model_loading", path=m.path, dtype=m.dtype)
+        log.info("model_loading", path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype)
+        try:  # a bad name is a config error, said before the model loads
+            resolve_dtypes(m.dtype, m.kv_dtype)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
         t0 = time.monotonic()
-        self.runner = await EngineRunner.load(
-            path=m.path, dtype=m.dtype, num_threads=m.threads, kv_memory_bytes=m.kv_memory_mb * 1024 * 1024,
-            block_size=m.block_size, max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
-            cache_finished=self.cache_finished, enable_prefix_cache=m.enable_prefix_cache,
-        )
+        fleet = await FleetLayouts.listen(self.bus, self.instance_id)  # while the model loads
+        try:
+            self.runner = await EngineRunner.load(
+                path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype, num_threads=m.threads,
+                kv_memory_bytes=m.kv_memory_mb * 1024 * 1024, block_size=m.block_size, max_num_seqs=m.max_num_seqs,
+                max_prefill_tokens=m.max_prefill_tokens, cache_finished=self.cache_finished,
+                enable_prefix_cache=m.enable_prefix_cache,
+            )
+            choice = self.engine.dtype_choice
+            log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
+                     kv_dtype=choice.kv_dtype, dtype_reason=choice.reason, layout=self.engine.layout.to_dict(),
+                     kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
+            await fleet.check(self.engine.layout, self.config.service.heartbeat_ms / 1000)
+        finally:
+            await fleet.close()
         self.runner.start()
-        log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), layout=self.engine.layout.to_dict(),
-                 kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
         await self.bus.subscribe(Subjects.CANCEL, self._on_cancel, expect=Cancel)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "cancel"), self._on_cancel, expect=Cancel)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "cache_query"), self._on_cache_query,
@@ -168,20 +247,34 @@ class EngineService(Service):
         engine = self.engine
         free, total = engine.num_free_blocks(), engine.num_total_blocks()
         stats = engine.stats()
-        metrics.KV_BLOCKS_FREE.labels(self.instance_id, self.role).set(free)
-        metrics.KV_BLOCKS_TOTAL.labels(self.instance_id, self.role).set(total)
-        metrics.PREFIX_HIT_RATE.labels(self.instance_id, self.role).set(stats["cache_hit_rate"])
+        self.record_engine_metrics(free, total, stats)
         load = self.current_load()
         endpoints = {name: t.descriptor() for name, t in self.transports.items()}
         return {
             "load": load, "running_requests": self.in_flight(), "free_kv_blocks": free,
             "total_kv_blocks": total, "max_context": engine.max_context,
             "model": self.config.model.name or self.config.model.path,
+            "dtype": engine.dtype_choice.dtype, "kv_layout": engine.layout.to_dict(),
             "cache_summary": {"hit_rate": stats["cache_hit_rate"], "cached_blocks": stats["cached_blocks"],
                               "block_size": engine.block_size, "kv_bytes_per_token": engine.layout.bytes_per_token,
                               **self.cache_summary_extra()},
             "endpoints": endpoints,
         }
+
+    def record_engine_metrics(self, free: int, total: int, stats: dict[str, Any]) -> None:
+        """vLLM's engine gauges and prefix-cache counters (counters advance by the engine's growth since
+        the last heartbeat), and PDD's block counts."""
+        labels = (self.config.model.served_name, self.instance_id, self.role)
+        metrics.NUM_RUNNING.labels(*labels).set(stats["running"])
+        metrics.NUM_WAITING.labels(*labels).set(stats["waiting"])
+        metrics.KV_CACHE_USAGE.labels(*labels).set(1.0 - free / max(1, total))
+        seen = self._cache_counted
+        metrics.PREFIX_CACHE_QUERIES.labels(*labels).inc(max(0, stats["cache_query_tokens"] - seen[0]))
+        metrics.PREFIX_CACHE_HITS.labels(*labels).inc(max(0, stats["cache_hit_tokens"] - seen[1]))
+        self._cache_counted = (stats["cache_query_tokens"], stats["cache_hit_tokens"])
+        metrics.KV_BLOCKS_FREE.labels(self.instance_id, self.role).set(free)
+        metrics.KV_BLOCKS_TOTAL.labels(self.instance_id, self.role).set(total)
+        metrics.PREFIX_HIT_RATE.labels(self.instance_id, self.role).set(stats["cache_hit_rate"])
 
     def current_load(self) -> float:
         """0..1: the busier of batch slots and KV blocks (what routing and handoff decisions use)."""

@@ -85,7 +85,8 @@ class MainDecodeService(DecoderService):
                         "prompt_tokens": len(inc.req.prompt_ids)}
             self.post(inc.req.events_subject, TokenChunk(
                 request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role,
-                start=out.start_position, token_ids=list(out.token_ids), finish_reason=out.finish_reason, meta=meta))
+                start=out.start_position, token_ids=list(out.token_ids), finish_reason=out.finish_reason, meta=meta,
+                logprobs=out.logprobs or []))
         if out.finished:
             if state.span is not None:
                 state.span.set_attribute("output_tokens", len(inc.outputs))

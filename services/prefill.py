@@ -27,6 +27,7 @@ from pdd.shared.protocol import (
     PrepareImport,
     Subjects,
     SubmitRequest,
+    TokenLogprobs,
 )
 from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, inject_headers
@@ -102,13 +103,12 @@ class PrefillService(EngineService):
                 dests = self._destinations(req)
                 plans = {d.instance_id: asyncio.create_task(self._prepare(req, d)) for d in dests}
                 cached = await self.runner.call(self.engine.cached_prefix_len, req.prompt_ids)
-                first, finish_reason = await self._prefill(req)
+                first, first_logprobs, finish_reason = await self._prefill(req)
                 held = True
                 span.set_attribute("cached_tokens", cached)
-                metrics.CACHED_PROMPT_TOKENS.labels(self.instance_id, self.role).inc(cached)
             await self.bus.publish(req.events_subject, PrefillResult(
                 request_id=rid, instance_id=self.instance_id, first_token=first, prompt_tokens=len(req.prompt_ids),
-                cached_tokens=cached, finish_reason=finish_reason))
+                cached_tokens=cached, finish_reason=finish_reason, first_logprobs=first_logprobs))
             if finish_reason is not None or not dests:
                 for task in plans.values():
                     task.cancel()
@@ -169,8 +169,8 @@ class PrefillService(EngineService):
         if rid in self.engine.requests:
             self.engine.release(rid)
 
-    async def _prefill(self, req: SubmitRequest) -> tuple[int, str | None]:
-        """Run the prompt; the first token is sampled here (output position 0)."""
+    async def _prefill(self, req: SubmitRequest) -> tuple[int, TokenLogprobs | None, str | None]:
+        """Run the prompt; the first token (output position 0) and its logprobs (if asked) are sampled here."""
         done: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
 
         def on_output(out: StepOutput) -> None:
@@ -187,7 +187,7 @@ class PrefillService(EngineService):
         eos = first in self.engine.eos_token_ids and not req.sampling.ignore_eos
         stop = eos or first in req.sampling.stop_token_ids
         finish = "stop" if stop else ("length" if req.sampling.max_tokens <= 1 else None)
-        return first, finish
+        return first, (out.logprobs or [None])[0], finish
 
     async def _prepare(self, req: SubmitRequest, dest: Destination) -> ImportPlan:
         message = PrepareImport(

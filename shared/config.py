@@ -2,19 +2,33 @@
 
 Every service reads the same file and picks its own instance by id. Any field can be overridden
 by an environment variable ``PDD__SECTION__FIELD`` (double underscores separate levels), e.g.
-``PDD__NATS__URL=nats://10.0.0.5:4222`` or ``PDD__POLICY__WAN_MASKING_THRESHOLD_S=0.5``.
+``PDD__NATS__URL=nats://10.0.0.5:4222`` or ``PDD__POLICY__WAN_MASKING_THRESHOLD_S=0.5``; pydantic-settings
+reads them (lists and maps as JSON, an empty value is null) and they win over the file's values.
 Validation happens at start and names the field and the fix (``pdd config check F``).
+
+Why one module: the schema, how it is read (file, then env) and how it is printed (redacted) change
+together; split, a new secret field could be read in one place and leak from another.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+from pydantic_settings.sources.utils import parse_env_vars
 
 from pdd.shared.pipelines import HandoffMode, Pipeline, routable
 from pdd.shared.policy import PolicyConfig
@@ -35,13 +49,27 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     path: str = Field("default", description="'default' (built-in SmolLM2-135M-Instruct), a HF folder or a .gguf file")
     name: str | None = Field(None, description="model name served by the API; defaults to the path's basename")
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="weights and compute; auto: bfloat16 where the CPU has avx512_bf16 or amx_bf16, "
+                            "else float32")
+    kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="KV pool and every KV transfer; auto: the weights' dtype. Every prefill, relay and "
+                            "main decode of a fleet must resolve to the same one (checked at start)")
     block_size: int = Field(16, ge=1, le=1024)
     kv_memory_mb: int = Field(512, ge=1, description="KV pool budget per instance")
     max_num_seqs: int = Field(64, ge=1)
     max_prefill_tokens: int = Field(2048, ge=16)
     threads: int | None = Field(None, ge=1, description="torch threads per instance (default: torch's choice)")
     enable_prefix_cache: bool = Field(True, description="radix prefix cache (P) / Decode-side RadixCache (MD)")
+
+    @property
+    def served_name(self) -> str:
+        """The name /v1/models lists, and the ``model_name`` label of every vLLM-named metric."""
+        if self.name:
+            return self.name
+        if self.path == "default":
+            return "SmolLM2-135M-Instruct"
+        return self.path.rstrip("/").split("/")[-1]
 
 
 def _readable_file(field: str, value: str | None) -> str | None:
@@ -249,23 +277,54 @@ class PDDConfig(_Strict):
         raise ConfigError(f"instances: no instance with role {role!r}; add one or pass --instance-id")
 
 
-def _apply_env(data: dict, environ: dict[str, str]) -> dict:
-    for key, raw in environ.items():
-        if not key.startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in key[len(ENV_PREFIX):].split("__") if p]
-        if not path:
-            continue
-        node = data
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{key}: {'.'.join(path[:-1])} is not a section")
-        node[path[-1]] = yaml.safe_load(raw) if raw != "" else None  # "8000" -> 8000, "true" -> True
-    return data
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' env source over a given mapping (``load_config(environ=...)``), whose
+    unparsable values name the variable."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    def prepare_field_value(self, field_name: str, field: Any, value: Any, value_is_complex: bool) -> Any:
+        try:
+            return super().prepare_field_value(field_name, field, value, value_is_complex)
+        except ValueError as exc:  # JSON of a list or map that does not parse
+            names = ", ".join(_env_names(self._environ, (field_name,)))
+            raise ConfigError(f"{names}: not valid JSON ({exc}); lists and maps are given as JSON, "
+                              f"e.g. PDD__ROUTER__API_KEYS='[\"k1\", \"k2\"]'") from None
 
 
-def _format_errors(source: str, exc: ValidationError) -> str:
+_environ: ContextVar[Mapping[str, str]] = ContextVar("pdd_config_environ")
+
+
+class _Settings(BaseSettings, PDDConfig):
+    """PDDConfig read from the YAML file (init values) with ``PDD__SECTION__FIELD`` env overrides on top."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", env_parse_none_str="",
+                                      validate_default=False)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   **_: PydanticBaseSettingsSource) -> tuple[PydanticBaseSettingsSource, ...]:
+        return _EnvSource(settings_cls, _environ.get()), init_settings  # first wins: env over the file
+
+
+def _env_names(environ: Mapping[str, str], loc: tuple) -> list[str]:
+    """The PDD__ variables that set the field at ``loc``, a section around it, or a field inside it."""
+    path = tuple(str(p).lower() for p in loc)
+    names = []
+    for key in environ:
+        if key.upper().startswith(ENV_PREFIX):
+            parts = tuple(key[len(ENV_PREFIX):].lower().split("__"))
+            if parts[:len(path)] == path or path[:len(parts)] == parts:
+                names.append(key)
+    return sorted(names)
+
+
+def _format_errors(source: str, exc: ValidationError, environ: Mapping[str, str]) -> str:
     lines = [f"{source}: invalid configuration ({exc.error_count()} problem(s)):"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -282,12 +341,16 @@ def _format_errors(source: str, exc: ValidationError) -> str:
             msg = "unknown field; check the spelling (see docs/CONFIG in README) or remove it"
         elif err["type"] == "missing":
             msg = "required field is missing; add it"
-        lines.append(f"  - {where}: {msg} (got {shown!r})" if err["type"] != "missing" else f"  - {where}: {msg}")
+        line = f"  - {where}: {msg} (got {shown!r})" if err["type"] != "missing" else f"  - {where}: {msg}"
+        names = _env_names(environ, err["loc"])
+        lines.append(f"{line} [set by {', '.join(names)}]" if names else line)
     return "\n".join(lines)
 
 
 def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None = None) -> PDDConfig:
-    """Read, env-override and validate. Raises ConfigError with one line per bad field."""
+    """Read the YAML file, let ``PDD__SECTION__FIELD`` variables override it (pydantic-settings), validate.
+
+    Raises ConfigError with one line per bad field, naming the variable where one set it."""
     environ = dict(os.environ if environ is None else environ)
     data: dict = {}
     source = "defaults"
@@ -303,11 +366,24 @@ def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None =
             raise ConfigError(f"{source}: not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: top level must be a mapping of sections (model, nats, instances, ...)")
-    data = _apply_env(data, environ)
+    unknown = sorted(k for k in environ if k.upper().startswith(ENV_PREFIX)
+                     and k[len(ENV_PREFIX):].split("__")[0].lower() not in PDDConfig.model_fields)
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: no such config section "
+                          f"(sections: {', '.join(PDDConfig.model_fields)})")
+    if any(not isinstance(key, str) for key in data):
+        raise ConfigError(f"{source}: top-level keys must be section names (model, nats, instances, ...)")
+    token = _environ.set(environ)
     try:
-        return PDDConfig.model_validate(data)
+        settings = _Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(source, exc)) from None
+        raise ConfigError(_format_errors(source, exc, environ)) from None
+    except SettingsError as exc:  # wraps _EnvSource's ConfigError, which names the variable
+        raise exc.__cause__ if isinstance(exc.__cause__, ConfigError) else ConfigError(str(exc)) from None
+    finally:
+        _environ.reset(token)
+    return PDDConfig.model_construct(_fields_set=settings.model_fields_set,
+                                     **{name: getattr(settings, name) for name in PDDConfig.model_fields})
 
 
 REDACTED = "<redacted>"

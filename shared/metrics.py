@@ -1,9 +1,28 @@
 """Prometheus metrics of the serving path, defined once.
 
-Names mirror vLLM's ``vllm:`` metrics under a ``pdd:`` prefix where the meaning matches
-(time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds,
-prompt/generation token counters), so vLLM dashboards port with a prefix swap; PDD's own
-figures (pipeline mix, WAN bytes, handoff, relay share, hit rates) sit beside them.
+Naming: the ``pdd:`` namespace, with vLLM's metric names and labels after it wherever the meaning
+matches (``pdd:time_to_first_token_seconds`` is ``vllm:time_to_first_token_seconds``,
+``pdd:request_success_total{finished_reason}`` is ``vllm:request_success_total{finished_reason}``).
+A vLLM dashboard therefore ports by swapping ``vllm:`` for ``pdd:``: every series it filters on
+carries the same ``model_name`` label (the served model name), and tests/e2e/test_vllm_metrics.py
+runs the reference dashboard's queries against a live system. The namespace stays ``pdd:`` so a
+Prometheus scraping vLLM and PDD side by side keeps them apart.
+
+Where the figures come from:
+- the router, per request: TTFT, ITL, E2E, the request's prompt / generation tokens and its
+  ``max_tokens``, and its phases as the router sees them — queue (arrival until the request is
+  handed to a prefill instance: routing and cache queries), prefill (hand-over until the first token
+  reaches the router: P's own queue, its prefill and the bus), decode (first token until the last);
+- each engine (P, RLD, MD; labels ``instance``, ``role``): its scheduler's running / waiting
+  requests, KV cache usage and prefix-cache queries / hits in tokens, updated at every heartbeat.
+
+ITL is per token, not per chunk, by output position as the client gets them: a flush of n tokens
+that reaches the client a gap g after the previous one records g for its first token and 0 for the
+other n - 1 (they arrive together). So a request records output_tokens - 1 observations whose sum
+is its decode time, and the mean ITL equals the mean time per output token. (vLLM's engine records
+one observation per engine step, which is the same thing when a step yields one token.)
+
+PDD's own figures (pipeline mix, WAN bytes, handoff, relay share, hit ratios) sit beside them.
 """
 
 from __future__ import annotations
@@ -12,17 +31,42 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
+_TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
+MODEL = "model_name"  # the served model name, the label every vLLM dashboard query filters on
 
-# Router (per request)
-TTFT = Histogram("pdd:time_to_first_token_seconds", "Time to first token", ["pipeline"], buckets=_LATENCY)
-ITL = Histogram("pdd:inter_token_latency_seconds", "Time between consecutive streamed tokens", ["pipeline"],
+# Router (per request), vLLM's names
+TTFT = Histogram("pdd:time_to_first_token_seconds", "Time to first token (arrival at the router to the first "
+                 "token sent to the client)", [MODEL, "pipeline"], buckets=_LATENCY)
+ITL = Histogram("pdd:inter_token_latency_seconds", "Inter-token latency per output token (a chunk of n tokens "
+                "records its gap once, then n - 1 zeros)", [MODEL, "pipeline"], buckets=_LATENCY)
+E2E = Histogram("pdd:e2e_request_latency_seconds", "Request latency, arrival to last token", [MODEL, "pipeline"],
                 buckets=_LATENCY)
-E2E = Histogram("pdd:e2e_request_latency_seconds", "Request latency, arrival to last token", ["pipeline"],
-                buckets=_LATENCY)
-REQUESTS = Counter("pdd:request_success_total", "Finished requests", ["finish_reason"])
+TPOT = Histogram("pdd:request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1)",
+                 [MODEL], buckets=_LATENCY)
+QUEUE_TIME = Histogram("pdd:request_queue_time_seconds", "Arrival until handed to a prefill instance (routing)",
+                       [MODEL], buckets=_LATENCY)
+PREFILL_TIME = Histogram("pdd:request_prefill_time_seconds", "Hand-over to prefill until the first token reached "
+                         "the router (P's queue and prefill)", [MODEL], buckets=_LATENCY)
+DECODE_TIME = Histogram("pdd:request_decode_time_seconds", "First token to last token", [MODEL], buckets=_LATENCY)
+INFERENCE_TIME = Histogram("pdd:request_inference_time_seconds", "Hand-over to prefill until the last token",
+                           [MODEL], buckets=_LATENCY)
+REQUEST_PROMPT_TOKENS = Histogram("pdd:request_prompt_tokens", "Prompt tokens per finished request", [MODEL],
+                                  buckets=_TOKENS)
+REQUEST_GENERATION_TOKENS = Histogram("pdd:request_generation_tokens", "Output tokens per finished request",
+                                      [MODEL], buckets=_TOKENS)
+REQUEST_MAX_GENERATION_TOKENS = Histogram("pdd:request_max_num_generation_tokens",
+                                          "Requested output tokens (max_tokens) per finished request (n = 1)",
+                                          [MODEL], buckets=_TOKENS)
+REQUEST_PARAMS_MAX_TOKENS = Histogram("pdd:request_params_max_tokens", "The max_tokens parameter per finished request",
+                                      [MODEL], buckets=_TOKENS)
+REQUESTS = Counter("pdd:request_success_total", "Finished requests", [MODEL, "finished_reason"])
+PROMPT_TOKENS = Counter("pdd:prompt_tokens_total", "Prompt tokens of admitted requests", [MODEL])
+GENERATION_TOKENS = Counter("pdd:generation_tokens_total", "Output tokens emitted to clients", [MODEL])
 REQUEST_ERRORS = Counter("pdd:request_errors_total", "Requests ended with an error", ["code"])
-PROMPT_TOKENS = Counter("pdd:prompt_tokens_total", "Prompt tokens processed")
-GENERATED_TOKENS = Counter("pdd:generated_tokens_total", "Output tokens emitted to clients")
+IN_FLIGHT = Gauge("pdd:router_requests_in_flight", "Requests in flight at this router (engines report "
+                  "pdd:num_requests_running / _waiting)", [MODEL])
+
+# Router, PDD's own
 RLD_TOKENS = Counter("pdd:rld_tokens_total", "Output tokens emitted by relay decoders (eager tokens)")
 PIPELINE = Counter("pdd:pipeline_requests_total", "Pipeline chosen per request", ["pipeline", "reason"])
 HANDOFF = Counter("pdd:handoff_total", "Relay to main-decode handoffs", ["mode"])
@@ -37,16 +81,27 @@ MIGRATIONS = Counter("pdd:request_migrations_total",
                      ["kind"])
 WAN_UP = Gauge("pdd:wan_link_up", "1 while the router routes KV over the WAN to this main-decode instance", ["main_decode"])
 WAN_FALLBACKS = Counter("pdd:wan_fallback_total", "WAN KV transfers that failed and fell back", ["action"])
-RUNNING = Gauge("pdd:num_requests_running", "Requests in flight at this router")
 
-# Engines (P, RLD, MD)
+# Engines (P, RLD, MD), vLLM's names
+_ENGINE = [MODEL, "instance", "role"]
+NUM_RUNNING = Gauge("pdd:num_requests_running", "Requests in this engine's running batch", _ENGINE)
+NUM_WAITING = Gauge("pdd:num_requests_waiting", "Requests waiting in this engine's scheduler queue", _ENGINE)
+KV_CACHE_USAGE = Gauge("pdd:kv_cache_usage_perc", "Fraction of this engine's KV blocks in use (0 to 1)", _ENGINE)
+PREFIX_CACHE_QUERIES = Counter("pdd:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up",
+                               _ENGINE)
+PREFIX_CACHE_HITS = Counter("pdd:prefix_cache_hits", "Prefix cache hits, in tokens found cached", _ENGINE)
+
+# Engines, PDD's own
 KV_BLOCKS_FREE = Gauge("pdd:kv_blocks_free", "Free KV blocks", ["instance", "role"])
 KV_BLOCKS_TOTAL = Gauge("pdd:kv_blocks_total", "KV blocks in the pool", ["instance", "role"])
-PREFIX_HIT_RATE = Gauge("pdd:prefix_cache_hit_rate", "Radix cache token hit rate", ["instance", "role"])
-CACHED_PROMPT_TOKENS = Counter("pdd:cached_prompt_tokens_total", "Prompt tokens served from the prefix cache",
-                               ["instance", "role"])
+PREFIX_HIT_RATE = Gauge("pdd:prefix_cache_hit_rate", "Radix cache token hit rate since start", ["instance", "role"])
 WAN_BYTES = Counter("pdd:wan_bytes_total", "KV bytes sent across the WAN (P -> MD)", ["instance"])
 FAST_BYTES = Counter("pdd:fast_path_bytes_total", "KV bytes sent in-site (P -> RLD)", ["instance"])
 WAN_TRANSFER = Histogram("pdd:wan_transfer_seconds", "P -> MD KV transfer time per request", buckets=_LATENCY)
 EXTEND_TOKENS = Histogram("pdd:extend_tokens", "Known tokens extended in one pass at handoff",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+
+
+def itl_observations(gap: float, count: int) -> list[float]:
+    """The per-token ITL values of one flush of ``count`` tokens arriving ``gap`` after the previous one."""
+    return [gap] + [0.0] * (count - 1) if count > 0 else []

@@ -63,6 +63,9 @@ class Message:
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_LOGPROBS = 20  # most top alternatives per token a request may ask for (vLLM's default max_logprobs)
+
+
 @dataclass
 class SamplingSpec:
     """Sampling parameters as they travel (the engine's SamplingParams is built from this)."""
@@ -74,6 +77,27 @@ class SamplingSpec:
     seed: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # over prompt and output tokens (vLLM)
+    presence_penalty: float = 0.0  # over output tokens
+    frequency_penalty: float = 0.0  # over output tokens
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many outputs
+    logprobs: int | None = None  # None: no logprobs; n: the chosen token's and the top n alternatives'
+
+
+@dataclass
+class TokenLogprobs:
+    """One output token's log-probabilities: raw (log-softmax of the model's logits, before penalties,
+    temperature and filters: vLLM's default ``raw_logprobs``), the chosen token's and the top alternatives'
+    (most likely first; as many as the request asked for)."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError("top_ids and top_logprobs differ in length")
 
 
 @dataclass
@@ -104,6 +128,7 @@ class PrefillResult(Message):
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str | None = None
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
 
 
 @dataclass
@@ -162,6 +187,11 @@ class TokenChunk(Message):
     finish_reason: str | None = None  # "stop" | "length" | None (more to come)
     owner_until: int | None = None  # relay: last position it will emit (handoff boundary), if known
     meta: dict = field(default_factory=dict)  # per-request facts for metrics (handoff mode, WAN bytes, hits)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when the request asked
+
+    def __post_init__(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("logprobs must be empty or one per token id")
 
 
 @dataclass
@@ -237,6 +267,8 @@ class Announce(Message):
     cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., "wan_bytes_per_s": ..}
     max_context: int = 0
     model: str = ""
+    dtype: str = ""  # engine roles: weights/compute dtype ("float32", "bfloat16", ...)
+    kv_layout: dict = field(default_factory=dict)  # engine roles: KVLayout.to_dict(); one per fleet (dtype incl.)
     endpoints: dict = field(default_factory=dict)  # e.g. {"metrics": "http://..", "kv": {...}}
     sent_unix: float = 0.0
 

@@ -1,7 +1,9 @@
 """Logging (structlog) and tracing (OpenTelemetry) setup shared by every service.
 
 - Logs are JSON when stderr is not a TTY; ``request_id``/``trace_id`` are bound via contextvars.
-- Spans go to OTLP (Jaeger), a JSONL file (for ``pdd trace`` and tests), or nowhere. Export always
+- Spans go to OTLP (Jaeger), a JSONL file (for ``pdd trace`` and tests), or nowhere. The OTel SDK reads
+  its own ``OTEL_*`` variables (service name, resource attributes, OTLP endpoint, protocol http/protobuf
+  or grpc, headers, timeout); PDD only fills in its role's service name and instance id. Export always
   runs in a BatchSpanProcessor's background thread with a bounded queue, so a dead collector drops
   spans instead of slowing or breaking serving.
 """
@@ -19,7 +21,16 @@ from typing import Any
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_ENDPOINT,
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TIMEOUT,
+    OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_TIMEOUT,
+)
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
@@ -75,34 +86,71 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
+_OTLP_PACKAGES = {"http/protobuf": "opentelemetry-exporter-otlp-proto-http",
+                  "grpc": "opentelemetry-exporter-otlp-proto-grpc"}
+
+
+def tracing_resource(service_name: str, instance_id: str | None = None) -> Resource:
+    """The SDK's resource (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, its detectors), with PDD's service
+    name and instance id filled in where the environment does not set them: the operator's word wins."""
+    from_env = OTELResourceDetector().detect().attributes
+    own = {SERVICE_NAME: service_name, **({SERVICE_INSTANCE_ID: instance_id} if instance_id else {})}
+    return Resource.create({key: value for key, value in own.items() if key not in from_env})
+
+
+def _otlp_exporter(endpoint: str | None) -> SpanExporter:
+    """OTLP over the protocol OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL names (default http/protobuf, port 4318).
+
+    Endpoint, headers, certificates, compression and timeout come from the SDK's own OTEL_EXPORTER_OTLP_*
+    handling; ``endpoint`` (telemetry.otlp_endpoint) is a base URL like OTEL_EXPORTER_OTLP_ENDPOINT."""
+    variable = next((v for v in (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL)
+                     if os.environ.get(v)), OTEL_EXPORTER_OTLP_PROTOCOL)
+    protocol = os.environ.get(variable, "http/protobuf").strip()
+    if protocol not in _OTLP_PACKAGES:
+        raise ValueError(f"{variable}={protocol!r}: unsupported OTLP protocol for traces; "
+                         f"use one of {list(_OTLP_PACKAGES)}")
+    # a dead collector must not hold a stopping service for the SDK's default 10 s, unless the operator says so
+    timeout_set = any(os.environ.get(v) for v in (OTEL_EXPORTER_OTLP_TIMEOUT, OTEL_EXPORTER_OTLP_TRACES_TIMEOUT))
+    timeout = None if timeout_set else 2
+    try:
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+            return GrpcExporter(endpoint=endpoint, timeout=timeout)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    except ImportError as exc:
+        raise ValueError(f"{variable}={protocol}: needs the package {_OTLP_PACKAGES[protocol]} ({exc})") from None
+    if endpoint and not endpoint.rstrip("/").endswith("/v1/traces"):
+        endpoint = endpoint.rstrip("/") + "/v1/traces"
+    return HttpExporter(endpoint=endpoint, timeout=timeout)
+
+
+def span_exporter(config: TelemetryConfig) -> SpanExporter | None:
+    """The exporter ``config`` asks for: OTLP, PDD's JSONL file (for ``pdd trace``), or none."""
+    name = config.exporter
+    jsonl_path = config.jsonl_path or os.environ.get("PDD_TRACE_JSONL")
+    if name == "auto":
+        otlp_set = config.otlp_endpoint or any(
+            os.environ.get(v) for v in (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT))
+        name = "otlp" if otlp_set else ("jsonl" if jsonl_path else "none")
+    if os.environ.get(OTEL_TRACES_EXPORTER, "").strip().lower() == "none":
+        name = "none"
+    if name == "otlp":
+        return _otlp_exporter(config.otlp_endpoint)
+    if name == "jsonl":
+        if not jsonl_path:
+            raise ValueError("telemetry.exporter is 'jsonl' but telemetry.jsonl_path is not set")
+        return JsonlSpanExporter(jsonl_path)
+    return None
+
+
 def setup_tracing(service_name: str, config: TelemetryConfig, instance_id: str | None = None) -> TracerProvider:
     """Install the global tracer provider once per process with the configured exporter."""
     global _provider
     if _provider is not None:
         return _provider
-    attributes = {"service.name": service_name}
-    if instance_id:
-        attributes["service.instance.id"] = instance_id
-    provider = TracerProvider(resource=Resource.create(attributes))
-    exporter_name = config.exporter
-    endpoint = config.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    jsonl_path = config.jsonl_path or os.environ.get("PDD_TRACE_JSONL")
-    if exporter_name == "auto":
-        exporter_name = "otlp" if endpoint else ("jsonl" if jsonl_path else "none")
-    if os.environ.get("OTEL_TRACES_EXPORTER") == "none":
-        exporter_name = "none"
-    exporter: SpanExporter | None = None
-    if exporter_name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        url = endpoint or "http://127.0.0.1:4318"
-        if not url.rstrip("/").endswith("/v1/traces"):
-            url = url.rstrip("/") + "/v1/traces"
-        exporter = OTLPSpanExporter(endpoint=url, timeout=2)
-    elif exporter_name == "jsonl":
-        if not jsonl_path:
-            raise ValueError("telemetry.exporter is 'jsonl' but telemetry.jsonl_path is not set")
-        exporter = JsonlSpanExporter(jsonl_path)
+    provider = TracerProvider(resource=tracing_resource(service_name, instance_id))
+    exporter = span_exporter(config)
     if exporter is not None:
         provider.add_span_processor(
             BatchSpanProcessor(exporter, max_queue_size=8192, schedule_delay_millis=200, export_timeout_millis=2000)

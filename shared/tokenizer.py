@@ -38,10 +38,27 @@ def load_tokenizer(path: str) -> Any:
     return tok
 
 
+# apply_chat_template's own parameters: a request's template kwargs must not reach them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def render_messages(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a conversation rendered by the tokenizer's chat template, with transformers'
+    ``apply_chat_template`` semantics (``template_kwargs`` become template variables). Rendered to text,
+    then encoded, as vLLM does: the template already holds the special tokens it wants, hence no
+    ``add_special_tokens`` by default."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False,
+                                         **(template_kwargs or {}))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
 def render_chat(tokenizer: Any, prompt: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt appended."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return render_messages(tokenizer, messages)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +68,7 @@ def _run(args: argparse.Namespace) -> int:
 
     data = load_yaml(args.scenario)
     scn = Scenario.from_dict(data)
-    split = (dict((k, int(v)) for k, v in (kv.split("=") for kv in args.split.split(","))) if args.split
+    split = ({k: int(v) for k, v in (kv.split("=") for kv in args.split.split(","))} if args.split
              else scn.splits(args.system)[0])
     wl = scn.arrays(args.num_requests)
     inp = scn.sim_input(args.system, split, args.rate, wl, unit_poisson(len(wl), args.seed), args.seed)
@@ -134,7 +138,8 @@ def _report(args: argparse.Namespace) -> int:
 
     rows = []
     if not args.no_sensitivity:
-        rows = sensitivity(data, rep, args.sensitivity_requests)
+        with _sweep_progress() as progress:
+            rows = sensitivity(data, rep, args.sensitivity_requests, progress=progress)
         st = Table(title=f"Sensitivity (each assumption moved alone; {args.sensitivity_requests} requests)")
         st.add_column("parameter", no_wrap=True)
         st.add_column("value", no_wrap=True)
@@ -143,16 +148,52 @@ def _report(args: argparse.Namespace) -> int:
         base = Reproduction(data, n=args.sensitivity_requests, seed=args.seed, splits=rep.splits).figures()
         st.add_row("(nominal)", "", *(fmt(base[f]) for f in FIGURES))
         for row in rows:
-            value = row["value"]
-            shown = ("/".join(f"{v:g}" for v in value) if isinstance(value, tuple)
-                     else value.get("name") or ",".join(f"{k}={v}" for k, v in value.items())
-                     if isinstance(value, dict) else str(value))
-            st.add_row(row["param"], shown, *(fmt(row[f]) for f in FIGURES))
+            st.add_row(row["param"], _shown(row["value"]), *(fmt(row[f]) for f in FIGURES))
         console.print(st)
     result = {f: figs[f] for f in FIGURES}
     (out_dir / "report.json").write_text(json.dumps(np_clean({**figs, "sensitivity": rows}), indent=1))
     print(json.dumps(np_clean(result)))
     return 0
+
+
+def _shown(value: Any) -> str:
+    """A sweep value in a table cell or a progress line."""
+    if isinstance(value, tuple):
+        return "/".join(f"{v:g}" for v in value)
+    if isinstance(value, dict):
+        return value.get("name") or ",".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+@contextmanager
+def _sweep_progress() -> Iterator[Callable[[int, int, str, Any], None]]:
+    """Progress of the sensitivity sweep (minutes) on stderr, since stdout carries the results: a rich bar
+    on a terminal, else one line per point (logs, CI)."""
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        columns = (TextColumn("sensitivity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), TextColumn("{task.description}"))
+        with Progress(*columns, console=Console(stderr=True)) as bar:
+            task = bar.add_task("", total=None)
+            yield lambda done, total, param, value: bar.update(
+                task, completed=done, total=total, description=f"{param}={_shown(value)}")
+        return
+    start = time.monotonic()
+
+    def line(done: int, total: int, param: str, value: Any) -> None:
+        print(f"sensitivity {done}/{total}: {param}={_shown(value)} ({time.monotonic() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    yield line
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,7 @@ class Reproduction:
         # datasheet prefill; whatever our model lacks of it is added to every system's TTFT alike.
         anchor = comparison.get("same_site_ttft_p50_s")
         offset = max(0.0, float(anchor) - s_base["p50_ttft_s"]) if anchor is not None else 0.0
-        reduction = lambda key, off: 1 - (s_pdd[key] + off) / (s_naive[key] + off)  # noqa: E731
+        reduction = lambda key, off: 1 - (s_pdd[key] + off) / (s_naive[key] + off)
         out: dict[str, Any] = {
             "ttft_reduction": reduction("mean_ttft_s", offset),
             "goodput_gain": g_pdd / g_base - 1 if g_base > 0 else float("nan"),
@@ -127,18 +128,25 @@ class Reproduction:
         return scn.hardware_cost("pdd") / scn.hardware_cost("baseline") - 1
 
 
-def sensitivity(data: dict[str, Any], nominal: Reproduction, n: int) -> list[dict[str, Any]]:
+Progress = Callable[[int, int, str, Any], None]
+"""Called as each sweep point finishes: (points done, points in all, parameter, value)."""
+
+
+def sensitivity(data: dict[str, Any], nominal: Reproduction, n: int,
+                progress: Progress | None = None) -> list[dict[str, Any]]:
     """Each assumption moved alone (splits held at their nominal best where they still apply): how far
-    each figure moves."""
+    each figure moves. A full sweep takes minutes, hence ``progress``."""
+    points = [(key, v) for key, values in SENSITIVITY for v in values]
     rows = []
-    for key, values in SENSITIVITY:
-        for v in values:
-            varied = set_path(data, key, list(v) if isinstance(v, tuple) else v)
-            scn = Scenario.from_dict(varied)
-            splits = {k: s for k, s in nominal.splits.items() if s in scn.splits(k)}
-            rep = Reproduction(varied, n=n, seed=nominal.seed, splits=splits)
-            figs = rep.figures()
-            rows.append({"param": key, "value": v, **{f: figs[f] for f in FIGURES}})
+    for done, (key, v) in enumerate(points, 1):
+        varied = set_path(data, key, list(v) if isinstance(v, tuple) else v)
+        scn = Scenario.from_dict(varied)
+        splits = {k: s for k, s in nominal.splits.items() if s in scn.splits(k)}
+        rep = Reproduction(varied, n=n, seed=nominal.seed, splits=splits)
+        figs = rep.figures()
+        rows.append({"param": key, "value": v, **{f: figs[f] for f in FIGURES}})
+        if progress is not None:
+            progress(done, len(points), key, v)
     return rows
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pdd.services.launch.host_env import shared_host_env
 from pdd.services.launch.natsserver import NatsServer, free_port, start_nats_server
 from pdd.shared.roles import Role
 
@@ -133,7 +134,7 @@ class LocalCluster:
                  instance_env: dict[str, dict[str, str]] | None = None):
         self.run_dir = Path(run_dir)
         self.config = json.loads(json.dumps(config))
-        self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **(env or {})}
+        self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **shared_host_env(), **(env or {})}
         self.nats_args = list(nats_args or [])
         self.nats_options = dict(nats_options or {})
         self.instance_env = dict(instance_env or {})  # extra environment for one instance (by id)

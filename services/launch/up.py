@@ -24,6 +24,8 @@ from pathlib import Path
 
 import yaml
 
+from pdd.engine.cpu_features import AUTO, SERVING_DTYPES, resolve_dtypes
+from pdd.services.launch.host_env import shared_host_env
 from pdd.services.launch.natsserver import free_port, start_nats_server
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
@@ -108,6 +110,11 @@ def wan_shape(base: dict, spec: str | None) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="'default' (SmolLM2-135M-Instruct), a HF folder or a .gguf")
     parser.add_argument("--config", default=None, help="base config (sites, policy, transports); instances are generated")
+    parser.add_argument("--dtype", default=None, choices=[AUTO, *SERVING_DTYPES],
+                        help="weights dtype (default: the base config's, auto: bfloat16 where the CPU has "
+                             "avx512_bf16 or amx_bf16, else float32)")
+    parser.add_argument("--kv-dtype", default=None, choices=[AUTO, *SERVING_DTYPES],
+                        help="KV dtype (default: the base config's, auto: the weights' dtype)")
     parser.add_argument("--port", type=int, default=8000, help="API port (127.0.0.1)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--wan", default=None,
@@ -155,6 +162,11 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     base = load_config(args.config).model_dump(mode="json")
     if args.model:
         base["model"]["path"] = args.model
+    for field in ("dtype", "kv_dtype"):
+        if getattr(args, field, None):
+            base["model"][field] = getattr(args, field)
+    choice = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"])
+    notes["dtype"] = choice.reason
     base["nats"]["url"] = nats_url
     base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
                      {"name": "site-b", "description": "decode datacenter"}]
@@ -249,7 +261,8 @@ def run(args: argparse.Namespace) -> int:
             log = open(run_dir / f"{inst['id']}.log", "wb")
             procs[inst["id"]] = subprocess.Popen(
                 [sys.executable, "-m", "pdd.services.launch.cli", "serve", inst["role"], "--config", str(load_config_path),
-                 "--instance-id", inst["id"]], stdout=log, stderr=subprocess.STDOUT)
+                 "--instance-id", inst["id"]], stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **shared_host_env()})
             _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={procs[inst['id']].pid}")
         base_url = f"http://{args.host}:{args.port}"
         deadline = time.monotonic() + args.startup_timeout
@@ -274,6 +287,7 @@ def run(args: argparse.Namespace) -> int:
             return 130
         _say(f"ready: OpenAI API {base_url}/v1   health {base_url}/health   metrics {base_url}/metrics")
         _say(notes["wan"])
+        _say(f"serving {notes['dtype']}")
         spans = config["telemetry"].get("jsonl_path")
         _say(f"traces: {spans} (render with `pdd trace {spans} --latest`)" if spans
              else f"traces: OTLP -> {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')}")

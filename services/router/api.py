@@ -1,15 +1,21 @@
 """The router's OpenAI-compatible HTTP API (FastAPI), in front of any ``Backend``.
 
 ``create_app(backend)`` serves /v1/completions, /v1/chat/completions (SSE streaming or not),
-/v1/models, /health and /metrics. This module only speaks HTTP: it validates, tokenizes, turns the
+/v1/models, /tokenize, /detokenize, /version, /health and /metrics. This module only speaks HTTP: it validates, tokenizes, turns the
 backend's token events into text (detokenize.py) and OpenAI bodies (openai_format.py) and closes the
 backend's generator when the client leaves or a stop string ends the output early, which is how a request is cancelled everywhere.
+
+Why one module: every route shares the same intake (auth, body limit, parsing, model check, tokenizing
+off the event loop) held by ``_API``; the generation details already live beside it (streaming.py,
+detokenize.py, openai_format.py), and what is left here is the HTTP surface read in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
+import json
 import secrets
 import time
 import uuid
@@ -27,13 +33,21 @@ from starlette.requests import ClientDisconnect
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.errors import APIError, from_validation_error, install_error_handlers, log
 from pdd.services.router.openai_format import ChatFormatter, CompletionFormatter, Formatter, sse_line, usage_body
-from pdd.services.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdd.services.router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from pdd.services.router.streaming import BackendStream, ClientDisconnected, text_deltas, watch_disconnect
 from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
 from pdd.shared.protocol import SamplingSpec
+from pdd.shared.tokenizer import render_messages
 
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send temperature=0 for greedy
+DISTRIBUTION = "pdd-serve"  # the installed package whose version /version reports
 
 # Tokenizer calls run off the event loop, one at a time: HF fast tokenizers may reconfigure
 # themselves inside encode (truncation/padding), which is not safe from several threads.
@@ -42,7 +56,19 @@ _TOKENIZE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdd-token
 T = TypeVar("T", bound=BaseModel)
 
 HTTP_RESPONSES = Counter("pdd:http_responses_total", "Router HTTP responses by route and status", ["route", "status"])
-_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+           "/metrics")
+MAX_LOGGED_UNKNOWN = 256  # distinct unknown field names warned about per process (bounded: names come from clients)
+_unknown_logged: set[str] = set()
+
+
+def _note_unknown_fields(req: BaseModel, path: str) -> None:
+    """Warn once per name about request fields neither OpenAI nor vLLM defines: accepted (as OpenAI
+    does) but without effect, which the client may not expect."""
+    for name in req.model_extra or ():
+        if name not in _unknown_logged and len(_unknown_logged) < MAX_LOGGED_UNKNOWN:
+            _unknown_logged.add(name)
+            log.warning("unknown_request_field", field=name[:64], path=path)
 
 
 @runtime_checkable
@@ -55,6 +81,7 @@ class Backend(Protocol):
     max_body_bytes: int
     api_keys: list[str]
     request_timeout_s: float  # optional; DEFAULT_REQUEST_TIMEOUT_S when absent
+    registry: Any  # optional: the fleet registry (registry.py); /v1/models reports the dtypes it serves in
 
     def ready(self) -> bool: ...
 
@@ -169,25 +196,30 @@ class _API:
     async def _in_pool(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, fn)
 
-    async def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = len(self.backend.tokenizer)
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"'{param}': token ids must be in [0, {vocab})", param=param)
+
+    async def tokenize_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
-            vocab = len(self.backend.tokenizer)
-            if any(t >= vocab for t in prompt):
-                raise APIError(400, f"'prompt': token ids must be in [0, {vocab})", param="prompt")
+            self.check_token_ids(prompt, "prompt")
             return list(prompt)
-        ids = await self._in_pool(lambda: list(self.backend.tokenizer.encode(prompt)))
+        tok = self.backend.tokenizer
+        ids = await self._in_pool(lambda: list(tok.encode(prompt, add_special_tokens=add_special_tokens)))
         if not ids:
             raise APIError(400, "'prompt': must not be empty", param="prompt")
         return ids
 
-    async def tokenize_chat(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+    async def tokenize_chat(self, req: ChatCompletionRequest | TokenizeChatRequest,
+                            add_special_tokens: bool = False) -> list[int]:
         tok = self.backend.tokenizer
+        messages = req.template_messages()
 
         def render() -> list[int]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(tok.encode(text, add_special_tokens=False))
+            return render_messages(tok, messages, add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message,
+                                   add_special_tokens=add_special_tokens, template_kwargs=req.chat_template_kwargs)
 
         try:
             return await self._in_pool(render)
@@ -208,6 +240,9 @@ class _API:
                                 f"the prompt, {max(max_tokens, 1)} for the completion). Please reduce the length "
                                 "of the prompt or max_tokens.", code="context_length_exceeded",
                            param="max_tokens" if req.max_tokens is not None and room > 0 else "prompt")
+        if req.min_tokens is not None and req.min_tokens > max_tokens:
+            raise APIError(400, f"'min_tokens': must be at most max_tokens ({max_tokens}), got {req.min_tokens}",
+                           param="min_tokens")
         top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
         sampling = SamplingSpec(
             max_tokens=max_tokens,
@@ -217,6 +252,7 @@ class _API:
             seed=secrets.randbits(63) if req.seed is None else req.seed,
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
+            **req.sampling_fields(),
         )
         timeout = float(getattr(self.backend, "request_timeout_s", DEFAULT_REQUEST_TIMEOUT_S))
         return GenerationRequest(
@@ -234,7 +270,12 @@ class _API:
                       req: CompletionRequest | ChatCompletionRequest, fmt: Formatter) -> Response:
         """Start the backend, wait for its first event (so early errors get a real status), then
         answer with one JSON body or an SSE stream."""
-        detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list())
+        detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list(),
+                                       include_stop=req.include_stop_str_in_output,
+                                       skip_special_tokens=req.skip_special_tokens,
+                                       stop_token_ids=greq.sampling.stop_token_ids,
+                                       min_tokens=greq.sampling.min_tokens)
+        fmt.use_logprobs(self.backend.tokenizer, greq.sampling.logprobs)
         try:
             agen = self.backend.generate(greq)
         except GenerationError as exc:  # a backend may refuse before returning its generator
@@ -258,15 +299,17 @@ class _API:
         if not req.stream:
             try:
                 parts = [first.text]
+                fmt.note(first)
                 last = first
                 while last.finish_reason is None:
                     last = await deltas.__anext__()
                     parts.append(last.text)
+                    fmt.note(last)
             except BaseException as exc:
                 raise self._as_api_error(exc, greq) from None
             finally:
                 await finish()
-            usage = usage_body(len(greq.prompt_ids), last.completion_tokens)
+            usage = _usage(len(greq.prompt_ids), last.completion_tokens, last.info)
             return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
 
         async def body() -> AsyncIterator[str]:
@@ -280,12 +323,12 @@ class _API:
                     # with usage on every chunk, a chunk also goes out for tokens whose text is not final
                     # yet (partial UTF-8, a possible stop string): clients time positions by its count
                     news = fmt.continuous_prompt_tokens is not None and delta.completion_tokens > counted
-                    if delta.text or final or news:
+                    if delta.text or final or news or delta.logprobs:
                         counted = delta.completion_tokens
                         yield sse_line(fmt.chunk(delta, delta.info if final else None))
                     if final:
                         if fmt.include_usage:
-                            usage = usage_body(len(greq.prompt_ids), delta.completion_tokens)
+                            usage = _usage(len(greq.prompt_ids), delta.completion_tokens, delta.info)
                             yield sse_line(fmt.usage_chunk(usage, delta.info))
                         break
                     delta = await deltas.__anext__()
@@ -316,6 +359,24 @@ class _API:
         return exc
 
 
+def _has_key(body: bytes, key: str) -> bool:
+    """Whether the body is a JSON object with ``key`` (which request shape /tokenize got)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False  # parse() reports it
+    return isinstance(obj, dict) and key in obj
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, info: dict) -> dict[str, Any]:
+    """The final ``usage``: OpenAI's counts plus, when the backend reports it, the prompt tokens the
+    prefill instance found in its prefix cache (``prompt_tokens_details.cached_tokens``, as vLLM)."""
+    usage: dict[str, Any] = usage_body(prompt_tokens, completion_tokens)
+    if "p_cached_tokens" in info:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(info["p_cached_tokens"])}
+    return usage
+
+
 class _Gone(APIError):
     """The client left; the answer goes nowhere (499, nginx's 'client closed request')."""
 
@@ -339,8 +400,10 @@ def create_app(backend: Backend) -> FastAPI:
     async def completions(request: Request) -> Response:
         api.check_auth(request)
         req = api.parse(CompletionRequest, await api.read_body(request))
+        _note_unknown_fields(req, "/v1/completions")
         api.check_model(req.model)
-        prompt_ids = await api.tokenize_prompt(req.prompt)  # type: ignore[arg-type]
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        prompt_ids = await api.tokenize_prompt(req.prompt, add_special)  # type: ignore[arg-type]
         greq = api.generation_request("cmpl", prompt_ids, req)
         fmt = CompletionFormatter(greq.request_id, backend.model_name, req.include_usage(),
                                   len(prompt_ids) if req.continuous_usage() else None)
@@ -350,16 +413,21 @@ def create_app(backend: Backend) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         api.check_auth(request)
         req = api.parse(ChatCompletionRequest, await api.read_body(request))
+        _note_unknown_fields(req, "/v1/chat/completions")
         api.check_model(req.model)
-        prompt_ids = await api.tokenize_chat(req)
+        prompt_ids = await api.tokenize_chat(req, bool(req.add_special_tokens))
         greq = api.generation_request("chatcmpl", prompt_ids, req)
         fmt = ChatFormatter(greq.request_id, backend.model_name, req.include_usage(),
                             len(prompt_ids) if req.continuous_usage() else None)
         return await api.respond(request, greq, req, fmt)
 
     def model_card() -> dict[str, Any]:
-        return {"id": backend.model_name, "object": "model", "created": api.created, "owned_by": "pdd",
+        card = {"id": backend.model_name, "object": "model", "created": api.created, "owned_by": "pdd",
                 "max_model_len": int(backend.max_context)}
+        registry = getattr(backend, "registry", None)
+        if registry is not None:  # {"dtype": .., "kv_dtype": ..} as the engine instances announce them
+            card["pdd"] = registry.serving_dtypes()
+        return card
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -371,6 +439,36 @@ def create_app(backend: Backend) -> FastAPI:
         api.check_auth(request)
         api.check_model(model_id)
         return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt, or messages rendered as /v1/chat/completions renders them."""
+        api.check_auth(request)
+        body = await api.read_body(request)
+        chat = _has_key(body, "messages")
+        req = api.parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+        api.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = await api.tokenize_chat(req, req.add_special_tokens)
+        else:
+            tok = backend.tokenizer
+            ids = await api._in_pool(lambda: list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)))
+        strs = await api._in_pool(lambda: backend.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": int(backend.max_context), "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids back to text (special tokens kept, as vLLM does)."""
+        api.check_auth(request)
+        req = api.parse(DetokenizeRequest, await api.read_body(request))
+        api.check_model(req.model)
+        api.check_token_ids(req.tokens, "tokens")
+        text = await api._in_pool(lambda: backend.tokenizer.decode(req.tokens))
+        return {"prompt": text}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version(DISTRIBUTION)}
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -2,24 +2,31 @@
 
 Two things make streaming text harder than ``decode(all_ids)``:
 
-* A character can span several byte-level tokens ("中" is three). Decoding a partial sequence yields
-  U+FFFD, so text is held back while the decoded tail ends in U+FFFD and released once it is whole.
+* A character can span several byte-level tokens ("中" is three). ``tokenizers``' ``DecodeStream``
+  buffers such tokens and releases the character once it is whole, at constant cost per token.
 * A stop string may arrive split over tokens. Text that could still become a stop string (a suffix
   of the text equal to a prefix of some stop string) is held back until it is ruled out or completed;
-  the output ends right before the stop string (OpenAI semantics), which is then never emitted.
+  the output ends right before the stop string (OpenAI semantics) or right after it with
+  ``include_stop_str_in_output`` (vLLM). As in vLLM, stop strings count only once ``min_tokens`` outputs exist.
 
-Decoding uses the prefix/read offsets of Hugging Face TGI / vLLM, so each step decodes only a few
-tokens (the cost stays linear in the output length), and a few prompt tokens seed the window so
-tokenizers that strip a leading space on the first token (SentencePiece) still produce it.
+The stream is seeded with a few prompt tokens, so tokenizers that strip a leading space on the first
+token (SentencePiece) still produce it. Like vLLM, the seed is the shortest prompt suffix (4 to 23
+tokens) that decodes without U+FFFD: a seed ending inside a character would otherwise leak that
+character's prompt bytes into the output. The streamed text equals
+``decode(seed + output)[len(decode(seed)):]``; tokens that never complete a character (a model
+emitting stray bytes) are settled at the end by that one full decode.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"
-_PROMPT_CONTEXT = 5  # prompt tokens that seed the decode window
+_SEED_MIN, _SEED_MAX = 4, 24  # prompt suffix lengths tried for the seed (vLLM's)
 
 
 @dataclass
@@ -30,15 +37,43 @@ class DetokStep:
     stopped: bool = False
 
 
-class IncrementalDetokenizer:
-    """Turns output token ids into text deltas that are whole UTF-8 characters and stop-string free."""
+def _seed(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+    """The shortest prompt suffix that decodes to whole characters, or none."""
+    if len(prompt_ids) < _SEED_MIN:
+        ids = list(prompt_ids)
+        return ids if _REPLACEMENT not in _decode(tokenizer, ids, skip_special_tokens) else []
+    for n in range(_SEED_MIN, min(len(prompt_ids) + 1, _SEED_MAX)):
+        ids = list(prompt_ids[-n:])
+        if _REPLACEMENT not in _decode(tokenizer, ids, skip_special_tokens):
+            return ids
+    return []
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = ()):
+
+def _decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class IncrementalDetokenizer:
+    """Turns output token ids into text deltas that are whole UTF-8 characters and stop-string free.
+
+    ``tokenizer`` is a transformers fast tokenizer (``backend_tokenizer`` is the ``tokenizers`` one).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str] = (),
+                 include_stop: bool = False, skip_special_tokens: bool = True, stop_token_ids: Sequence[int] = (),
+                 min_tokens: int = 0):
         self._tok = tokenizer
-        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._min_tokens = min_tokens  # stop strings count only from this many output tokens on (vLLM)
+        self._backend = tokenizer.backend_tokenizer
+        self._skip = skip_special_tokens
+        self._seed_ids = _seed(tokenizer, prompt_ids, skip_special_tokens)
+        self._stream = DecodeStream(ids=self._seed_ids, skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []  # output ids fed so far
+        self._pending = 0  # trailing ids that have not produced text yet
         self._stops = [s for s in stop if s]
+        self._include_stop = include_stop
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self._stop_ids = set(stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._text = ""  # decoded output so far (only whole characters)
         self._sent = 0  # how much of _text has been released
@@ -54,41 +89,47 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokStep("", True)
         self._ids.append(token_id)
-        self._text += self._decode_delta(final=False)
+        piece = self._stream.step(self._backend, token_id)
+        if piece is None:
+            self._pending += 1
+        else:
+            self._pending = 0
+            self._text += piece
         return self._release(final=False)
+
+    def add_last(self, token_id: int) -> DetokStep:
+        """Feed the token that ended generation with finish_reason "stop": when it is a stop token (EOS,
+        one of ``stop_token_ids``) its text is output only with ``include_stop_str_in_output``, as in vLLM."""
+        if token_id in self._stop_ids and not self._include_stop:
+            return DetokStep("", self.stopped)
+        return self.add(token_id)
 
     def finish(self) -> str:
         """Generation ended without a stop string: release everything that was held back."""
         if self.stopped:
             return ""
-        self._text += self._decode_delta(final=True)
+        if self._pending:  # bytes that never became a character: decode() renders them as U+FFFD
+            seed = _decode(self._tok, self._seed_ids, self._skip)
+            full = _decode(self._tok, self._seed_ids + self._ids, self._skip)[len(seed):]
+            if full.startswith(self._text):
+                self._text = full
+            self._pending = 0
         return self._release(final=True).text
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def _decode_delta(self, final: bool) -> str:
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
-        if len(full) > len(prefix) and (final or not full.endswith(_REPLACEMENT)):
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            return full[len(prefix) :]
-        return ""
-
     def _release(self, final: bool) -> DetokStep:
-        if self._stops:
+        if self._stops and len(self._ids) >= self._min_tokens:
             # A stop string cannot start before _sent (held-back prefixes guarantee it), and may
-            # end inside text decoded just now; search from the first byte it could start at.
-            hit = -1
+            # end inside text decoded just now; search from the first character it could start at.
+            hit, end = -1, -1
             for s in self._stops:
                 i = self._text.find(s, self._sent)
                 if i != -1 and (hit == -1 or i < hit):
-                    hit = i
+                    hit, end = i, i + len(s)
             if hit != -1:
-                out = self._text[self._sent : hit]
-                self._sent = hit
-                self._text = self._text[:hit]
+                cut = end if self._include_stop else hit
+                out = self._text[self._sent : cut]
+                self._sent = cut
+                self._text = self._text[:cut]
                 self.stopped = True
                 return DetokStep(out, True)
         end = len(self._text) if final else len(self._text) - self._held_back()

@@ -30,6 +30,7 @@ class InFlight:
     meta: dict[str, Any] = field(default_factory=dict)
     p_cached: int = 0
     held: list[int] = field(default_factory=list)  # first token held back (first_token_after_kv)
+    held_logprobs: list = field(default_factory=list)  # its logprobs (protocol.TokenLogprobs), when asked
     migrations: int = 0
     excluded: set[str] = field(default_factory=set)
     resumed_on: str | None = None

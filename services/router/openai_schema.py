@@ -1,18 +1,36 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic v2.
 
 Known fields are type-checked strictly (a string where a number belongs is a 400, not silently
-coerced); unknown fields are ignored, as OpenAI does. Features the engine does not have (logprobs,
-n > 1, penalties, tools, ...) are rejected with a message naming the field rather than ignored, so a
-client never gets a silently different answer than it asked for.
+coerced); unknown fields are accepted, as OpenAI does, and kept in ``model_extra`` so the API logs
+each new name once. Every field vLLM accepts is declared here: implemented, or refused (``_refused``)
+with a 400 naming it when set to anything but its neutral value, so a client never gets a silently
+different answer than it asked for.
+
+Why one module: it is the API's field list. Declaring every request shape (completions, chat, /tokenize,
+/detokenize) side by side is what lets a reader check it against vLLM's and OpenAI's lists at a glance;
+split, a field could be declared in one shape and forgotten in another.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from pdd.shared.pipelines import HandoffMode, Pipeline, routable
+from pdd.shared.protocol import MAX_LOGPROBS
+from pdd.shared.tokenizer import RESERVED_TEMPLATE_KWARGS
 
 MAX_STOP_STRINGS = 16
 
@@ -23,6 +41,22 @@ TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _refused(why: str, *neutral: Any) -> Any:
+    """A field PDD declares but does not implement: None (or one of ``neutral``, its do-nothing values) is
+    accepted, anything else is a 400 that names the field and says why."""
+
+    def check(value: Any) -> Any:
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+            raise ValueError(f"not supported: {why}")
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
+
+
+_STRUCTURED = _refused("structured output (grammar-constrained decoding) is not implemented")
+_IGNORED = Any  # OpenAI fields with no effect on the answer: accepted and ignored, as vLLM does
 
 
 class PDDOptions(_Model):
@@ -47,6 +81,8 @@ class StreamOptions(_Model):
 class _Common(_Model):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown names are logged once (api.py)
+
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
@@ -60,9 +96,49 @@ class _Common(_Model):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     user: Any = None  # accepted and ignored
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None  # over output tokens, in [-2, 2]
+    frequency_penalty: Float | None = None  # over output tokens, in [-2, 2]
+    repetition_penalty: Float | None = None  # extension (vLLM): over prompt and output tokens, > 0
+    min_p: Float | None = None  # extension (vLLM): in [0, 1]
+    min_tokens: StrictInt | None = None  # extension (vLLM): EOS and stop_token_ids masked until this many
     logit_bias: dict[str, Any] | None = None
+    include_stop_str_in_output: StrictBool = False  # extension (vLLM)
+    skip_special_tokens: StrictBool = True  # extension (vLLM)
+    add_special_tokens: StrictBool | None = None  # extension (vLLM); default: True for completions, False for chat
+    response_format: dict[str, Any] | None = None
+    # OpenAI fields without effect on the answer
+    metadata: _IGNORED = None
+    store: _IGNORED = None
+    service_tier: _IGNORED = None
+    prompt_cache_key: _IGNORED = None
+    safety_identifier: _IGNORED = None
+    # structured output (vLLM): refused, see _text_only
+    structured_outputs: _STRUCTURED = None
+    guided_json: _STRUCTURED = None
+    guided_regex: _STRUCTURED = None
+    guided_choice: _STRUCTURED = None
+    guided_grammar: _STRUCTURED = None
+    structural_tag: _STRUCTURED = None
+    guided_decoding_backend: _STRUCTURED = None
+    guided_whitespace_pattern: _STRUCTURED = None
+    # other vLLM extensions PDD refuses
+    use_beam_search: _refused("beam search is not implemented", False) = None
+    length_penalty: _refused("length_penalty applies to beam search, which is not implemented", 1.0, 1) = None
+    allowed_token_ids: _refused("allowed_token_ids is not implemented") = None
+    bad_words: _refused("bad_words is not implemented", []) = None
+    truncate_prompt_tokens: _refused("prompt truncation is not implemented") = None
+    prompt_logprobs: _refused("prompt logprobs are not implemented") = None
+    logits_processors: _refused("custom logits processors are not supported") = None
+    return_tokens_as_token_ids: _refused("use pdd.return_token_ids for the output token ids", False) = None
+    return_token_ids: _refused("use pdd.return_token_ids for the output token ids", False) = None
+    spaces_between_special_tokens: _refused("fast tokenizers always decode special tokens as they are",
+                                            True) = None
+    priority: _refused("request priorities are not implemented", 0) = None
+    cache_salt: _refused("per-request prefix-cache isolation is not implemented") = None
+    request_id: _refused("request ids are assigned by the router (see the response's id)") = None
+    kv_transfer_params: _refused("PDD moves KV between its own instances; external KV transfer is not "
+                                 "supported") = None
+    vllm_xargs: _refused("vllm_xargs has no meaning in PDD") = None
     pdd: PDDOptions | None = None
 
     @field_validator("max_tokens")
@@ -109,16 +185,56 @@ class _Common(_Model):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported (only 0)")
+    def _penalty_range(cls, v: float | None) -> float | None:
+        if v is not None and not -2.0 <= v <= 2.0:
+            raise ValueError("must be in [-2, 2]")
         return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float | None:
+        if v is not None and v <= 0:
+            raise ValueError("must be > 0 (1 disables it)")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v: float | None) -> float | None:
+        if v is not None and not 0.0 <= v <= 1.0:
+            raise ValueError("must be in [0, 1]")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens(cls, v: int | None) -> int | None:
+        if v is not None and v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives per output token, or None for no logprobs (each endpoint spells it its way)."""
+        return None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """SamplingSpec fields of the penalties, min_p, min_tokens and logprobs (unset: off)."""
+        return {"min_p": self.min_p or 0.0,
+                "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+                "min_tokens": self.min_tokens or 0, "logprobs": self.logprob_count()}
 
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, v: dict | None) -> dict | None:
         if v:
             raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") not in ("text", None):
+            raise ValueError("only {'type': 'text'} is supported: structured output (json_object, json_schema, "
+                             "structural_tag) is not implemented")
         return v
 
     def stop_list(self) -> list[str]:
@@ -143,13 +259,17 @@ class CompletionRequest(_Common):
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+    prompt_embeds: _refused("prompt embeddings are not supported") = None
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
+    def _logprobs(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}]")
         return v
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
@@ -202,15 +322,64 @@ class ChatMessage(_Model):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
-    """POST /v1/chat/completions."""
+class _ChatPrompt(_Model):
+    """A conversation and how the chat template renders it (vLLM's fields, transformers' semantics);
+    shared by /v1/chat/completions and /tokenize."""
 
     messages: list[ChatMessage]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_of_prompt_or_continue(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt"):
+            raise ValueError("cannot be true together with add_generation_prompt (send add_generation_prompt: "
+                             "false to continue the final message)")
+        return v
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_kwargs(cls, v: dict | None) -> dict | None:
+        clash = sorted(set(v or ()) & RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise ValueError(f"'{clash[0]}' is a parameter of the template rendering itself, not a template "
+                             "variable; use the request field of that name where there is one")
+        return v
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in self.messages]
+
+
+class ChatCompletionRequest(_Common, _ChatPrompt):
+    """POST /v1/chat/completions."""
+
+    model_config = _Common.model_config
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: _IGNORED = None
+    functions: _refused("function calling is not supported") = None
+    function_call: _refused("function calling is not supported", "none") = None
+    chat_template: _refused("a per-request chat template is not accepted (like vLLM without "
+                            "--trust-request-chat-template); the model's template is used") = None
+    documents: _refused("documents (RAG) are not supported by the chat template rendering") = None
+    mm_processor_kwargs: _refused("multimodal input is not supported") = None
+    media_io_kwargs: _refused("multimodal input is not supported") = None
+    best_of: _refused("only best_of=1 is supported", 1) = None
+    echo: _refused("echoing the last message is not implemented", False) = None
+    include_reasoning: _IGNORED = None  # vLLM: only with a reasoning parser, which PDD has none of
+    # OpenAI fields that would change the answer
+    reasoning_effort: _refused("reasoning effort is not supported") = None
+    verbosity: _refused("verbosity is not supported") = None
+    modalities: _refused("only text output is supported", ["text"]) = None
+    audio: _refused("audio output is not supported") = None
+    prediction: _refused("predicted outputs are not supported") = None
+    web_search_options: _refused("web search is not supported") = None
 
     @field_validator("messages")
     @classmethod
@@ -226,19 +395,17 @@ class ChatCompletionRequest(_Common):
             raise ValueError("must be at least 1")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not 0 <= v <= MAX_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_LOGPROBS}]")
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
         return v
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -247,11 +414,11 @@ class ChatCompletionRequest(_Common):
             raise ValueError("tools are not supported")
         return v
 
-    @field_validator("response_format")
+    @field_validator("tool_choice")
     @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type") not in ("text", None):
-            raise ValueError("only response_format {'type': 'text'} is supported")
+    def _no_tool_choice(cls, v: Any) -> Any:
+        if v not in (None, "none", "auto"):
+            raise ValueError("tools are not supported; only 'none' or 'auto' (without tools)")
         return v
 
     @model_validator(mode="after")
@@ -263,3 +430,27 @@ class ChatCompletionRequest(_Common):
 
 
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
+
+
+class TokenizeCompletionRequest(_Model):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_ChatPrompt):
+    """POST /tokenize with messages (vLLM's shape): the ids /v1/chat/completions would prefill."""
+
+    model: StrictStr | None = None
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Model):
+    """POST /detokenize (vLLM's shape)."""
+
+    model: StrictStr | None = None
+    tokens: list[TokenId]

@@ -76,14 +76,16 @@ class Orchestrator:
             route = await self.route(req)
             span.set_attribute("route_ms", round((time.monotonic() - t_route) * 1000, 2))
             reporting.note_route(span, route)
-            metrics.PROMPT_TOKENS.inc(len(req.prompt_ids))
-            report = reporting.StreamReport(span, route.pipeline, arrival)
+            model = self.config.model.served_name
+            metrics.PROMPT_TOKENS.labels(model).inc(len(req.prompt_ids))
+            report = reporting.StreamReport(span, route.pipeline, arrival, model)
             state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id)
             self.inflight[state.attempt_id] = state
-            metrics.RUNNING.inc()
+            metrics.IN_FLIGHT.labels(model).inc()
             finished = False
             try:
                 await self._submit(state)
+                report.submit(time.monotonic())
                 while True:
                     remaining = req.deadline_unix - time.time()
                     if remaining <= 0:
@@ -116,7 +118,7 @@ class Orchestrator:
                 raise
             finally:
                 self.inflight.pop(state.attempt_id, None)
-                metrics.RUNNING.dec()
+                metrics.IN_FLIGHT.labels(model).dec()
                 if not finished:
                     await self._cancel(state.attempt_id, "client gone or failed")
 
@@ -147,9 +149,9 @@ class Orchestrator:
         self.inflight.pop(state.attempt_id, None)
         await self._cancel(state.attempt_id, f"migrating: {failure.code}")
         if state.held:  # the client gets the held first token now: it is part of the resume point
-            state.queue.put_nowait(TokenEvent(state.held))
+            state.queue.put_nowait(TokenEvent(state.held, logprobs=state.held_logprobs))
             state.flushed.extend(state.held)
-            state.held = []
+            state.held, state.held_logprobs = [], []
         state.attempt_id = f"{rid}-m{state.migrations}"
         self.inflight[state.attempt_id] = state
         state.last_progress = time.monotonic()
@@ -196,20 +198,24 @@ class Orchestrator:
             return
         if isinstance(message, PrefillResult):
             state.p_cached = message.cached_tokens
-            emission = state.tracker.accept(Role.PREFILL, 0, [message.first_token], message.finish_reason)
+            first_logprobs = [message.first_logprobs] if message.first_logprobs is not None else []
+            emission = state.tracker.accept(Role.PREFILL, 0, [message.first_token], message.finish_reason,
+                                            logprobs=first_logprobs)
         else:
             assert isinstance(message, TokenChunk)
             state.meta.update(message.meta)
             emission = state.tracker.accept(message.role, message.start, message.token_ids, message.finish_reason,
-                                            message.owner_until)
-        tokens = emission.token_ids
+                                            message.owner_until, logprobs=message.logprobs)
+        tokens, logprobs = emission.token_ids, emission.logprobs
         holds_first = self.config.router.first_token_after_kv and spec(state.route.pipeline).crosses_wan
         if holds_first and not emission.finish_reason:
             if len(tokens) == 1 and state.tracker.next_position == 1 and not state.flushed and not state.held:
-                state.held = tokens  # conventional PD: the first token waits for the decoder's stream
+                state.held, state.held_logprobs = tokens, logprobs  # conventional PD: the first token waits
                 return
         if state.held:
             tokens, state.held = state.held + tokens, []
+            logprobs, state.held_logprobs = state.held_logprobs + logprobs, []
         if tokens or emission.finish_reason:
             state.flushed.extend(tokens)
-            state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason))
+            state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason,
+                                              logprobs=logprobs if len(logprobs) == len(tokens) else []))

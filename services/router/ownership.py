@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.protocol import TokenLogprobs
 from pdd.shared.roles import Role
 
 
@@ -19,6 +20,7 @@ from pdd.shared.roles import Role
 class Emission:
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when the request asked
 
 
 @dataclass
@@ -31,32 +33,37 @@ class OwnershipTracker:
     dropped: int = 0
     relay_tokens: int = 0
     _pending: dict[int, int] = field(default_factory=dict)
-    _waiting_md: list[tuple[int, list[int], str | None]] = field(default_factory=list)
+    _pending_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # the owner's, beside its token
+    _waiting_md: list[tuple[int, list[int], str | None, list[TokenLogprobs]]] = field(default_factory=list)
 
     def owns(self, role: Role, position: int) -> bool | None:
         """True/False, or None when it cannot be decided yet (MD before the relay's boundary)."""
         return spec(self.pipeline).owns(role, position, self.relay_until)
 
     def accept(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None = None,
-               owner_until: int | None = None) -> Emission:
+               owner_until: int | None = None, logprobs: list[TokenLogprobs] | None = None) -> Emission:
+        """``logprobs``: empty, or one per token id; they travel with their tokens."""
         if role == Role.RELAY and owner_until is not None and self.relay_until is None:
             self.relay_until = owner_until
             waiting, self._waiting_md = self._waiting_md, []
-            for w_start, w_ids, w_finish in waiting:
-                self._take(Role.MAIN_DECODE, w_start, w_ids, w_finish)
-        self._take(role, start, token_ids, finish_reason)
+            for w_start, w_ids, w_finish, w_logprobs in waiting:
+                self._take(Role.MAIN_DECODE, w_start, w_ids, w_finish, w_logprobs)
+        self._take(role, start, token_ids, finish_reason, list(logprobs or []))
         return self._flush()
 
-    def _take(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None) -> None:
+    def _take(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None,
+              logprobs: list[TokenLogprobs]) -> None:
         end = start + len(token_ids)
         decided = self.owns(role, max(start, 1) if role != Role.PREFILL else start)
         if decided is None:
-            self._waiting_md.append((start, list(token_ids), finish_reason))
+            self._waiting_md.append((start, list(token_ids), finish_reason, logprobs))
             return
         for i, token in enumerate(token_ids):
             pos = start + i
             if self.owns(role, pos) and pos >= self.next_position and pos not in self._pending:
                 self._pending[pos] = token
+                if logprobs:
+                    self._pending_logprobs[pos] = logprobs[i]
                 if role == Role.RELAY:
                     self.relay_tokens += 1
             else:
@@ -68,8 +75,12 @@ class OwnershipTracker:
 
     def _flush(self) -> Emission:
         out: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         while self.next_position in self._pending:
             out.append(self._pending.pop(self.next_position))
+            lp = self._pending_logprobs.pop(self.next_position, None)
+            if lp is not None:
+                logprobs.append(lp)
             self.next_position += 1
         finished = self.finish_at is not None and self.next_position >= self.finish_at
-        return Emission(out, self.finish_reason if finished else None)
+        return Emission(out, self.finish_reason if finished else None, logprobs if len(logprobs) == len(out) else [])

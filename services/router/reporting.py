@@ -46,28 +46,42 @@ def request_info(state: InFlight) -> dict[str, Any]:
     return info
 
 
-def record_finish(state: InFlight, reason: str, e2e: float) -> None:
+def record_finish(state: InFlight, reason: str, model: str) -> None:
+    """PDD's per-request figures and the vLLM-named counters of a finished request."""
     prompt = max(1, len(state.request.prompt_ids))
     metrics.REQUEST_HIT_RATIO.labels("P").observe(state.p_cached / prompt)
     if "md_cached_tokens" in state.meta:
         metrics.REQUEST_HIT_RATIO.labels("MD").observe(state.meta["md_cached_tokens"] / prompt)
     if "wan_bytes" in state.meta:
         metrics.REQUEST_WAN_BYTES.observe(state.meta["wan_bytes"])
-    metrics.E2E.labels(state.route.pipeline).observe(e2e)
-    metrics.REQUESTS.labels(reason).inc()
-    metrics.GENERATED_TOKENS.inc(len(state.flushed))
+    metrics.REQUESTS.labels(model, reason).inc()
+    metrics.GENERATION_TOKENS.labels(model).inc(len(state.flushed))
+    metrics.REQUEST_PROMPT_TOKENS.labels(model).observe(len(state.request.prompt_ids))
+    metrics.REQUEST_GENERATION_TOKENS.labels(model).observe(len(state.flushed))
+    metrics.REQUEST_MAX_GENERATION_TOKENS.labels(model).observe(state.request.sampling.max_tokens)
+    metrics.REQUEST_PARAMS_MAX_TOKENS.labels(model).observe(state.request.sampling.max_tokens)
     metrics.RLD_TOKENS.inc(state.tracker.relay_tokens)
 
 
 class StreamReport:
-    """The timing of one request's stream as the client gets it: TTFT, ITL and the handoff stall,
-    labelled by the pipeline first chosen, and the span's events along the way."""
+    """The timing of one request's stream as the client gets it: TTFT, ITL per token, the phases
+    (queue, prefill, decode) and the handoff stall, and the span's events along the way. TTFT, ITL and
+    E2E are labelled by the pipeline first chosen; every vLLM-named series by the served model name."""
 
-    def __init__(self, span: trace.Span, pipeline: Pipeline, arrival: float):
+    def __init__(self, span: trace.Span, pipeline: Pipeline, arrival: float, model: str):
         self.span = span
         self.pipeline = pipeline
         self.arrival = arrival
+        self.model = model
+        self.submitted: float | None = None  # first handed to a prefill instance
+        self.first: float | None = None  # the client got the first token
         self.last: float | None = None  # when the client last got tokens
+
+    def submit(self, now: float) -> None:
+        """The request was handed to its prefill instance: the router's queue time ends here."""
+        if self.submitted is None:
+            self.submitted = now
+            metrics.QUEUE_TIME.labels(self.model).observe(now - self.arrival)
 
     def tokens(self, state: InFlight, count: int, now: float) -> None:
         """``count`` tokens go to the client at ``now``; ``state.sent`` does not count them yet."""
@@ -78,11 +92,18 @@ class StreamReport:
             stall = now - self.last  # the gap in which ownership moved from the relay to MD
             metrics.HANDOFF_STALL.observe(stall)
             self.span.set_attribute("handoff_stall_ms", round(stall * 1000, 2))
+        itl = metrics.ITL.labels(self.model, self.pipeline)
         if not state.sent:
-            metrics.TTFT.labels(self.pipeline).observe(now - self.arrival)
+            metrics.TTFT.labels(self.model, self.pipeline).observe(now - self.arrival)
+            self.first = now
+            if self.submitted is not None:
+                metrics.PREFILL_TIME.labels(self.model).observe(now - self.submitted)
+            gaps = metrics.itl_observations(0.0, count)[1:]  # positions arriving with the first token
             self.span.add_event("first_token")
-        elif self.last is not None:
-            metrics.ITL.labels(self.pipeline).observe(now - self.last)
+        else:
+            gaps = metrics.itl_observations(now - (self.last if self.last is not None else now), count)
+        for gap in gaps:
+            itl.observe(gap)
         self.last = now
         emitted = state.sent + count
         if emitted <= SPAN_TOKEN_EVENTS_UNTIL:  # spans cap their events
@@ -90,7 +111,15 @@ class StreamReport:
                                            "relay_tokens": state.tracker.relay_tokens})
 
     def finish(self, state: InFlight, reason: str, now: float) -> None:
-        record_finish(state, reason, now - self.arrival)
+        record_finish(state, reason, self.model)
+        metrics.E2E.labels(self.model, state.route.pipeline).observe(now - self.arrival)
+        if self.first is not None:
+            decode = (self.last or now) - self.first
+            metrics.DECODE_TIME.labels(self.model).observe(decode)
+            if len(state.flushed) > 1:
+                metrics.TPOT.labels(self.model).observe(decode / (len(state.flushed) - 1))
+        if self.submitted is not None:
+            metrics.INFERENCE_TIME.labels(self.model).observe(now - self.submitted)
         self.span.set_attributes({"output_tokens": state.sent, "rld_tokens": state.tracker.relay_tokens})
 
     def error(self, exc: GenerationError) -> None:

@@ -19,11 +19,7 @@ REQUIRED_ROLES = ENGINE_ROLES
 
 
 def model_display_name(config: PDDConfig) -> str:
-    if config.model.name:
-        return config.model.name
-    if config.model.path == "default":
-        return "SmolLM2-135M-Instruct"
-    return config.model.path.rstrip("/").split("/")[-1]
+    return config.model.served_name
 
 
 class RouterService(Service):

@@ -19,6 +19,7 @@ import anyio
 
 from pdd.services.router.detokenize import IncrementalDetokenizer
 from pdd.services.router.types import GenerationError, TokenEvent
+from pdd.shared.protocol import TokenLogprobs
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.router.api")
@@ -116,6 +117,8 @@ class Delta:
     finish_reason: str | None = None
     completion_tokens: int = 0
     info: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)  # the tokens this delta counts (with logprobs: theirs)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
@@ -133,9 +136,13 @@ async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_
         info = {**info, **(event.info or {})}
         parts: list[str] = []
         finish: str | None = None
-        for token_id in event.token_ids:
+        taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
+        last = len(event.token_ids) - 1
+        for n, token_id in enumerate(event.token_ids):
             count += 1
-            step = detok.add(int(token_id))
+            taken += 1
+            ends = n == last and event.finish_reason == "stop"  # the event's last token may be a stop token
+            step = detok.add_last(int(token_id)) if ends else detok.add(int(token_id))
             parts.append(step.text)
             if step.stopped:
                 finish = "stop"
@@ -148,6 +155,7 @@ async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_
             finish = "length"  # the backend overran max_tokens; it gets closed by the caller
         if finish is not None and not detok.stopped:
             parts.append(detok.finish())
-        yield Delta("".join(parts), finish, count, info if finish else {})
+        logprobs = event.logprobs[:taken] if len(event.logprobs) == len(event.token_ids) else []
+        yield Delta("".join(parts), finish, count, info if finish else {}, list(event.token_ids[:taken]), logprobs)
         if finish is not None:
             return

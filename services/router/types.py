@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdd.shared.pipelines import HandoffMode, Pipeline
-from pdd.shared.protocol import SamplingSpec
+from pdd.shared.protocol import SamplingSpec, TokenLogprobs
 
 
 class GenerationError(Exception):
@@ -36,3 +36,4 @@ class TokenEvent:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | None
     info: dict = field(default_factory=dict)  # on the last event: pipeline, instances, hit rates, handoff
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when the request asked

@@ -7,17 +7,30 @@ needed, safe to call from a server or a test.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdd.services.traceview.timeline import ERROR_COLOR, Timeline, human_ms, service_color
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 def render_png(tl: Timeline, path: str | Path, dpi: int = 110) -> Path:
+    """Write the timeline as a PNG file; returns its path."""
+    out = Path(path)
+    timeline_figure(tl, dpi).savefig(out, format="png")
+    return out
+
+
+def timeline_figure(tl: Timeline, dpi: int = 110) -> Figure:
+    """The timeline drawn on a matplotlib Figure (one row per stage and service, bars on a ms axis)."""
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
     from matplotlib.transforms import blended_transform_factory
 
     n = len(tl.rows)
-    fig = Figure(figsize=(13, 1.6 + 0.42 * n), dpi=dpi)
+    height = 1.45 + 0.42 * n  # inches: 0.5 title band, rows, 0.95 for ticks, axis label and legend
+    fig = Figure(figsize=(13, height), dpi=dpi)
     ax = fig.add_subplot(1, 1, 1)
     total = tl.total_ms or 1.0
     mids = {b.span_id: i for i, r in enumerate(tl.rows) for b in r.bars}
@@ -47,12 +60,13 @@ def render_png(tl: Timeline, path: str | Path, dpi: int = 110) -> Path:
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    services = sorted({b.service for b in tl.bars})
-    ax.legend(handles=[Patch(color=service_color(s), label=s) for s in services], loc="lower right", fontsize=8,
-              frameon=False, bbox_to_anchor=(1.0, 1.0), ncol=len(services) or 1)
     ax.set_title(f"request {tl.request_id or '?'} · {tl.pipeline or '?'} · {human_ms(tl.total_ms)}",
                  loc="left", fontsize=10)
-    fig.subplots_adjust(left=0.22, right=0.8, top=1 - 0.75 / fig.get_figheight(), bottom=0.6 / fig.get_figheight())
-    out = Path(path)
-    fig.savefig(out, format="png")
-    return out
+    left = 0.22
+    fig.subplots_adjust(left=left, right=0.8, top=1 - 0.5 / height, bottom=0.95 / height)
+    # the legend has its own band at the bottom, under the axis label: a long request id in the title
+    # (chatcmpl-<32 hex>) never runs into it
+    services = sorted({b.service for b in tl.bars})
+    fig.legend(handles=[Patch(color=service_color(s), label=s) for s in services], loc="lower left", fontsize=8,
+               frameon=False, bbox_to_anchor=(left, 0.04 / height), ncol=len(services) or 1)
+    return fig

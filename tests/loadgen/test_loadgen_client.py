@@ -61,7 +61,7 @@ class FakeServer:
             f'pdd:pipeline_requests_total{{pipeline="P-MD"}} {n}\n'
             f'pdd:pipeline_requests_total{{pipeline="P-RLD-MD"}} 0\n'
             f"pdd:rld_tokens_total {2.0 * n}\n"
-            f"pdd:generated_tokens_total {10.0 * n}\n"
+            f"pdd:generation_tokens_total {10.0 * n}\n"
         )
         return web.Response(text=text)
 
@@ -121,8 +121,10 @@ async def test_closed_loop_respects_concurrency_and_warmup(server):
     results, duration = await run_load(specs, cfg)
     assert len(results) == 10 and all(r.success for r in results)
     assert fake.max_in_flight <= 2 and fake.requests == 12
-    s = summarize(results, duration, parse_goodput(["ttft:60000", "tpot:60000"]))
-    assert s["completed"] == 10 and s["failed"] == 0 and s["goodput"] == pytest.approx(s["request_throughput"])
+    s = summarize(results, duration, parse_goodput(["ttft:60000", "tpot:60000"]), percentiles=(90, 99),
+                  percentile_metrics=("ttft", "tpot", "itl", "e2el"))
+    assert s["completed"] == 10 and s["failed"] == 0
+    assert s["request_goodput"] == pytest.approx(s["request_throughput"])
     for key in ("mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
                 "mean_e2el_ms", "output_throughput", "total_token_throughput"):
         assert s[key] is not None
@@ -155,9 +157,9 @@ async def test_cli_end_to_end(server, tmp_path):
     _, base = server
     out = tmp_path / "run.json"
     png = tmp_path / "cdf.png"
-    argv = ["bench", "--base-url", base, "--num-prompts", "6", "--context-tokens", "64", "--output-tokens", "3",
-            "--max-concurrency", "3", "--goodput", "ttft:60000", "--save-json", str(out), "--plot", str(png),
-            "--no-progress"]
+    argv = ["bench", "--base-url", base, "--model", "m", "--dataset", "agentic", "--num-prompts", "6",
+            "--context-tokens", "64", "--output-tokens", "3", "--max-concurrency", "3", "--goodput", "ttft:60000",
+            "--save-json", str(out), "--plot", str(png), "--no-progress"]
     assert await asyncio.to_thread(main, argv) == 0  # the CLI runs its own event loop in a thread
     data = json.loads(out.read_text())
     assert data["completed"] == 6 and len(data["requests"]) == 6 and data["pdd"]["pipeline_mix"]

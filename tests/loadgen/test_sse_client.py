@@ -156,4 +156,4 @@ async def test_metrics_text_parsed_by_prometheus_client(base):
     assert sorted((lab["main_decode"], v) for lab, v in samples_of(samples, "pdd:wan_link_up")) == [
         ("md-0", 0.0), ("md-1", 1.0)]
     assert await asyncio.to_thread(scrape_sync, base + "/metrics") == samples
-    assert samples_of(parse("pdd_generated_tokens_total 4\n"), "pdd:generated_tokens_total") == [({}, 4.0)]
+    assert samples_of(parse("pdd_generation_tokens_total 4\n"), "pdd:generation_tokens_total") == [({}, 4.0)]

@@ -34,7 +34,7 @@ SERVE = {name: svc for name, svc in PDD_SERVICES.items() if svc["command"][1] ==
 DASHBOARD_METRICS = [
     "pdd:time_to_first_token_seconds", "pdd:inter_token_latency_seconds", "pdd:e2e_request_latency_seconds",
     "pdd:pipeline_requests_total", "pdd:wan_bytes_total", "pdd:kv_transfer_seconds", "pdd:prefix_cache_hit_rate",
-    "pdd:handoff_stall_seconds", "pdd:rld_tokens_total", "pdd:generated_tokens_total", "pdd:kv_blocks_free",
+    "pdd:handoff_stall_seconds", "pdd:rld_tokens_total", "pdd:generation_tokens_total", "pdd:kv_blocks_free",
 ]
 
 

@@ -204,3 +204,30 @@ def test_orphan_and_unfinished_spans_still_render(tmp_path: Path) -> None:
     html_path, png_path = render_timeline(spans, tmp_path)
     assert "unfinished" in html_path.read_text()
     _assert_png(png_path)
+
+
+@pytest.mark.parametrize("request_id, write", [("req-lowhit", write_p_rld_md), ("req-highhit", write_p_md),
+                                               ("chatcmpl-8f14e45fceea167a5a36dedd4bea2543", write_p_rld_md)])
+def test_png_legend_clear_of_title_and_axis_text(tmp_path: Path, request_id: str, write) -> None:
+    """The legend overlaps neither the title (long real request ids included), the axis label, the tick labels
+    nor the plot area, and stays inside the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pdd.services.traceview.png import timeline_figure
+
+    svc = _Services(tmp_path / "spans.jsonl")
+    write(svc, request_id, 0.0)
+    svc.close()
+    fig = timeline_figure(build_timeline(select_trace(load_spans(tmp_path / "spans.jsonl"), request_id=request_id)))
+    canvas = FigureCanvasAgg(fig)  # the canvas savefig(format="png") uses
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    (ax,) = fig.axes
+    (legend,) = [*fig.legends, *([ax.get_legend()] if ax.get_legend() else [])]
+    box = legend.get_window_extent(renderer)
+    titles = [t for t in (ax.title, ax._left_title, ax._right_title, *fig.texts) if t.get_text()]
+    assert any(request_id in t.get_text() for t in titles)
+    others = [*titles, ax.xaxis.label, *[t for t in ax.get_xticklabels() if t.get_text()], ax.patch]
+    for artist in others:
+        assert not box.overlaps(artist.get_window_extent(renderer)), (artist, box)
+    assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1

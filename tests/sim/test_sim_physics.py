@@ -83,3 +83,19 @@ def test_per_role_instance_sizes():
     typo = set_path(load_yaml("report"), "systems.baseline.chips_per_instance", {"decoder": 16})
     with pytest.raises(ValueError, match="decoder"):
         Scenario.from_dict(typo).splits("baseline")
+
+
+def test_goodput_search_ends_when_every_rate_meets_the_slo():
+    """A loose SLO that every offered rate meets must not make the doubling search run forever."""
+    from types import SimpleNamespace
+
+    from pdd.sim.metrics import Slo, goodput
+
+    rates: list[float] = []
+
+    def always_good(rate: float):
+        rates.append(rate)
+        return SimpleNamespace(ok=np.ones(4, bool), ttft=np.zeros(4), tpot=np.zeros(4))
+
+    found = goodput(always_good, Slo(), hi=1.0, max_doublings=5)
+    assert found == 2.0 ** 4 and max(rates) == 2.0 ** 4 and len(rates) == 6

@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
@@ -70,3 +69,22 @@ def test_import_is_cheap():
     code = "import sys, pdd.sim, pdd.sim.event_loop, pdd.loadgen.workload; print('matplotlib' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_report_sweep_shows_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    """One progress line per sensitivity point goes to stderr; stdout keeps the tables and the JSON last line."""
+    from pdd.services.launch.cli import main
+    from pdd.sim import report
+
+    monkeypatch.setattr(report, "SENSITIVITY", (("wan.setup_s", (0.05, 0.5)), ("utilisation.mfu", (0.5,))))
+    rc = main(["sim", "report", "--num-requests", "300", "--sensitivity-requests", "100", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    captured = capsys.readouterr()
+    progress = [line for line in captured.err.splitlines() if line.startswith("sensitivity ")]
+    assert [line.split(" (")[0] for line in progress] == [
+        "sensitivity 1/3: wan.setup_s=0.05", "sensitivity 2/3: wan.setup_s=0.5", "sensitivity 3/3: utilisation.mfu=0.5"]
+    assert "sensitivity 1/3" not in captured.out
+    assert set(json.loads(captured.out.strip().splitlines()[-1])) == KEYS
+    saved = json.loads((tmp_path / "report.json").read_text())["sensitivity"]
+    assert [(row["param"], row["value"]) for row in saved] == [("wan.setup_s", 0.05), ("wan.setup_s", 0.5),
+                                                               ("utilisation.mfu", 0.5)]
