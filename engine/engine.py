@@ -55,7 +55,10 @@ class Engine:
         enable_prefix_cache: bool = True,
         cache_finished: bool = True,
         dtype_choice: DtypeChoice | None = None,
+        batch_invariant: bool = True,
     ) -> None:
+        """``batch_invariant``: decode-phase attention accumulates in float64, so a request's tokens do not
+        depend on its batch mates or on extend vs decode (kernels/attention.py; what makes a handoff exact)."""
         cfg = model.config
         self.model = model
         self.config: ModelConfig = cfg
@@ -79,6 +82,7 @@ class Engine:
         limit = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
         self.max_context = min(limit, num_blocks * block_size)
         self.enable_prefix_cache = enable_prefix_cache
+        self.decode_accum = torch.float64 if batch_invariant else torch.float32
         self.cache_finished = cache_finished
         eos = list(cfg.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -388,7 +392,8 @@ class Engine:
                 sample_reqs.append(req)
                 rows.append(offset - 1)
         meta = build_attention_metadata(
-            self.block_size, [r.block_table for r in decode], [r.num_computed + 1 for r in decode], specs
+            self.block_size, [r.block_table for r in decode], [r.num_computed + 1 for r in decode], specs,
+            self.decode_accum,
         )
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long),

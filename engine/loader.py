@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pdd.engine.config import ModelConfig, config_from_gguf, config_from_hf
+from pdd.engine.errors import UnsupportedArchitectureError
 from pdd.shared.model_files import is_gguf, resolve_model_path
 
 
@@ -101,7 +102,13 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     vocab = int(embd.shape[-1])
-    config = config_from_gguf(meta, vocab, has_output="output.weight" in names)
+    config = config_from_gguf(meta, vocab, has_output="output.weight" in names)  # refuses by metadata first
+    unknown = sorted(n for n in names if n not in _GGUF_TOP_NAMES
+                     and not (n.startswith("blk.") and n.split(".", 2)[-1] in _GGUF_LAYER_NAMES))
+    if unknown:  # e.g. rope_freqs.weight (llama3.1 frequency factors): skipping it would change the math
+        raise UnsupportedArchitectureError(
+            f"{path}: GGUF tensors this engine does not compute: {', '.join(unknown[:5])}"
+            + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else ""))
     permute = config.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
@@ -112,15 +119,11 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             hf = _GGUF_TOP_NAMES[t.name]
         elif t.name.startswith("blk."):
             _, idx, rest = t.name.split(".", 2)
-            if rest not in _GGUF_LAYER_NAMES:
-                continue
             hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
             if permute and rest == "attn_q.weight":
                 arr = _reverse_permute(arr, config.num_heads)
             elif permute and rest == "attn_k.weight":
                 arr = _reverse_permute(arr, config.num_kv_heads)
-        else:
-            continue
         arr = np.ascontiguousarray(arr)
         weights[hf] = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
     return config, weights

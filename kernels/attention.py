@@ -45,6 +45,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks*block_size] True = attend
     decode_len0: int = 0  # context length of the first decode sequence
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # decode tokens and extends over cached context accumulate in this dtype (paged_attention says why)
+    decode_accum: torch.dtype = torch.float64
 
 
 def build_attention_metadata(
@@ -52,6 +54,7 @@ def build_attention_metadata(
     decode_tables: list[list[int]],
     decode_lens: list[int],
     prefill_specs: list[tuple[list[int], int, int]],
+    decode_accum: torch.dtype = torch.float64,
 ) -> AttentionMetadata:
     """Build per-pass metadata.
 
@@ -63,7 +66,8 @@ def build_attention_metadata(
     for table, length in zip(decode_tables, decode_lens):
         pos = length - 1
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_tables))
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_tables),
+                             decode_accum=decode_accum)
     if decode_tables:
         max_blocks = max((n + block_size - 1) // block_size for n in decode_lens)
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in decode_tables]
@@ -106,8 +110,8 @@ def write_kv(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    return cache.index_select(0, block_ids).float()  # attention runs in fp32 (paged_attention)
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return cache.index_select(0, block_ids).to(dtype)
 
 
 def _decode_attention(
@@ -118,9 +122,9 @@ def _decode_attention(
     hkv = k_cache.shape[2]
     group = hq // hkv
     length = meta.decode_max_blocks * k_cache.shape[1]
-    kg = _gather(k_cache, meta.decode_block_index).view(nd, length, hkv, dim)
-    vg = _gather(v_cache, meta.decode_block_index).view(nd, length, hkv, dim)
-    qg = q.view(nd, hkv, group, dim)
+    kg = _gather(k_cache, meta.decode_block_index, meta.decode_accum).view(nd, length, hkv, dim)
+    vg = _gather(v_cache, meta.decode_block_index, meta.decode_accum).view(nd, length, hkv, dim)
+    qg = q.to(meta.decode_accum).view(nd, hkv, group, dim)
     if nd == 1:
         # a single sequence needs no padding mask: plain matmul attention over its exact length
         n = meta.decode_len0
@@ -143,58 +147,44 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write the new K/V into the pool and attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq*D].
+    """Write the new K/V into the pool and attend. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq*D] (q's dtype).
 
-    Attention itself runs in fp32 whatever the model and KV dtypes (K/V as stored in the pool, so a
-    fresh prompt sees the same values an extend gathers). Why: in bf16, decode (matmul + softmax) and
-    prefill/extend (SDPA, fp32 accumulation) rounded differently, so main decode's extend over the
-    relay's tokens drifted from one engine's decode within ~20-150 tokens; in fp32 they agree. For an
-    fp32 model this changes nothing.
+    K/V are read as stored in the pool (so a fresh prompt sees the values an extend gathers), and the
+    reductions run wider than the model dtype, which is what makes a handoff exact (docs/ENGINE.md):
+    * decode tokens and extends over cached context accumulate in ``meta.decode_accum``: float64 in the
+      batch-invariant mode (the default; fp32 when a deployment turns it off for speed). The BLAS behind torch takes a
+      different reduction order for one query row than for n rows, and for one sequence than for a batch
+      (up to 1e-5 apart in fp32 scores), so the same position computed by a decode step, inside a larger
+      batch, or in main decode's extend over the relay's tokens came out ~1e-7 apart in fp32 and flipped
+      bf16 roundings of the residual stream (greedy tokens drifted after 20-150 outputs). In float64 those
+      differences are ~1e-16 and vanish in the rounding to the model dtype: the rows are bit-identical.
+    * a fresh prompt (no cached context) runs fp32 SDPA: every path prefills a prompt the same way, so
+      nothing needs to agree with it but itself.
     """
     write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-    out_dtype = q.dtype
-    if out_dtype != torch.float32 or k_cache.dtype != torch.float32:
-        q, k, v = q.float(), k.to(k_cache.dtype).float(), v.to(v_cache.dtype).float()
-        return _attend(q, k, v, k_cache, v_cache, meta, scale).to(out_dtype)
-    return _attend(q, k, v, k_cache, v_cache, meta, scale)
-
-
-def _attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
     num_tokens, hq, dim = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    block_size = k_cache.shape[1]
-    out = torch.empty(num_tokens, hq, dim, dtype=q.dtype, device=q.device) if meta.prefills else None
     nd = meta.num_decode
+    out = torch.empty(num_tokens, hq, dim, dtype=q.dtype)
     if nd:
-        decode_out = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
-        if out is None:
-            return decode_out.reshape(nd, hq * dim)
-        out[:nd] = decode_out
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     for seg in meta.prefills:
         s, n = seg.token_start, seg.num_new
         if seg.ctx_start == 0:
             b = seg.num_seqs
-            qs = q[s : s + b * n].view(b, n, hq, dim).transpose(1, 2)  # [b, Hq, n, D]
-            ks = k[s : s + b * n].view(b, n, hkv, dim).transpose(1, 2)
-            vs = v[s : s + b * n].view(b, n, hkv, dim).transpose(1, 2)
+            stored_k, stored_v = k[s : s + b * n].to(k_cache.dtype), v[s : s + b * n].to(v_cache.dtype)
+            qs = q[s : s + b * n].float().view(b, n, hq, dim).transpose(1, 2)  # [b, Hq, n, D]
+            ks = stored_k.float().view(b, n, hkv, dim).transpose(1, 2)
+            vs = stored_v.float().view(b, n, hkv, dim).transpose(1, 2)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=group > 1)
-            if b * n == num_tokens:
-                return o.transpose(1, 2).reshape(num_tokens, hq * dim)
             out[s : s + b * n] = o.transpose(1, 2).reshape(b * n, hq, dim)
             continue
-        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        qs = q[s : s + n].to(meta.decode_accum).transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         total = seg.ctx_start + n
-        ks = _gather(k_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
-        vs = _gather(v_cache, seg.block_ids).view(-1, hkv, dim)[:total].transpose(0, 1).unsqueeze(0)
+        ks = _gather(k_cache, seg.block_ids, meta.decode_accum).view(-1, hkv, dim)[:total]
+        vs = _gather(v_cache, seg.block_ids, meta.decode_accum).view(-1, hkv, dim)[:total]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=group > 1
         )

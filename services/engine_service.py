@@ -135,7 +135,7 @@ class EngineService(Service):
                 path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype, num_threads=m.threads,
                 kv_memory_bytes=m.kv_memory_mb * 1024 * 1024, block_size=m.block_size, max_num_seqs=m.max_num_seqs,
                 max_prefill_tokens=m.max_prefill_tokens, cache_finished=self.cache_finished,
-                enable_prefix_cache=m.enable_prefix_cache,
+                enable_prefix_cache=m.enable_prefix_cache, batch_invariant=m.batch_invariant,
             )
             choice = self.engine.dtype_choice
             log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,

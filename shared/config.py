@@ -55,6 +55,10 @@ class ModelConfig(_Strict):
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="KV pool and every KV transfer; auto: the weights' dtype. Every prefill, relay and "
                             "main decode of a fleet must resolve to the same one (checked at start)")
+    batch_invariant: bool = Field(
+        True, description="decode-phase attention accumulates in float64, so a request's tokens do not depend on "
+                          "its batch or on decode vs extend: a handoff's output equals an undisturbed run. false: "
+                          "fp32, faster at large batch x long context; tokens after a handoff may then differ")
     block_size: int = Field(16, ge=1, le=1024)
     kv_memory_mb: int = Field(512, ge=1, description="KV pool budget per instance")
     max_num_seqs: int = Field(64, ge=1)

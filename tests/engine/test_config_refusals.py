@@ -97,3 +97,26 @@ def test_engine_refuses_a_sliding_window_checkpoint_at_load(llama_path, tmp_path
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="sliding_window=64"):
         Engine.from_model(str(bad), num_blocks=8)
+
+
+def test_gguf_tensor_the_engine_does_not_compute_is_refused(tmp_path):
+    """A tensor with no place in the executor (llama3.1's rope_freqs) is an error, not silently skipped."""
+    import gguf
+    import numpy as np
+
+    from pdd.engine.loader import load_gguf
+
+    path = str(tmp_path / "extra.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, value in _gguf().items():
+        if key != "general.architecture":
+            writer.add_uint32(key, value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tensor("token_embd.weight", np.zeros((384, 64), dtype=np.float32))
+    writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedArchitectureError, match=r"rope_freqs\.weight"):
+        load_gguf(path)
