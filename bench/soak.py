@@ -23,10 +23,12 @@ Memory: after the warm-up (default: 10% of the run, at most 60 s) every process'
 baseline; it is sampled every ``--sample-interval`` s. At the end the load stops, in-flight requests
 finish, the cluster drains (``LocalCluster.wait_idle``) and every instance reports the KV blocks that
 are neither free nor reclaimable cache ("leaked": must be 0) and its RSS growth over the baseline.
+An engine that does not answer that health read has no count: it is listed as unanswered and fails
+the run (never "0 leaked").
 
 Run: python -m pdd.bench.soak --seconds 600      (exit code 0 only when ok)
-Last stdout line: one JSON object with every figure; "ok" is true only if no engine leaked a block,
-no process grew more than --max-growth %, no request hung and no process died.
+Last stdout line: one JSON object with every figure; "ok" is true only if every engine answered and
+leaked no block, no process grew more than --max-growth % (default 2), no request hung and no process died.
 
 Why one module: it is one benchmark, read top to bottom (configuration, request mix, outcomes,
 samplers, report); the parts share its tally and arguments. The client, the metrics parser and the
@@ -81,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bad-share", type=float, default=0.05, help="share of malformed/invalid requests")
     p.add_argument("--stream-share", type=float, default=0.6, help="share of (valid) requests that stream")
     p.add_argument("--sample-interval", type=float, default=5.0, help="RSS sampling period, seconds")
-    p.add_argument("--max-growth", type=float, default=10.0, help="allowed RSS growth after warm-up, percent")
+    p.add_argument("--max-growth", type=float, default=2.0, help="allowed RSS growth after warm-up, percent")
     p.add_argument("--hang-s", type=float, default=90.0, help="a request without an answer by then is hung")
     p.add_argument("--request-timeout", type=float, default=60.0, help="router request deadline, seconds")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="how long to wait for idle engines")
@@ -420,6 +422,20 @@ def announced_summaries(nats_url: str, wait_s: float = 1.2) -> dict[str, dict]:
         return {"error": {"error": str(exc)}}
 
 
+def leak_accounting(roles: dict[str, str], reading: dict[str, int]) -> dict[str, Any]:
+    """Per engine instance (``roles``: instance id -> role), the KV blocks it still holds once idle.
+
+    ``reading`` is ``LocalCluster.wait_idle``'s: a negative value means the instance did not answer its
+    health read, and a live engine missing from it was not alive to ask. Either way nobody counted its
+    blocks, so it is a failure ("unanswered"), never "0 leaked". Returns ``leaked`` (id -> blocks, None
+    where unanswered), ``unanswered`` (sorted ids) and ``ok`` (every engine answered and holds 0)."""
+    engines = [iid for iid, role in roles.items() if role != Role.ROUTER]
+    leaked = {iid: reading[iid] if reading.get(iid, -1) >= 0 else None for iid in engines}
+    unanswered = sorted(iid for iid, v in leaked.items() if v is None)
+    return {"leaked": leaked, "unanswered": unanswered,
+            "ok": not unanswered and all(v == 0 for v in leaked.values())}
+
+
 def instance_state(cluster: Any) -> dict[str, dict]:
     """Per live instance: in-flight requests and (engines) running/waiting sequences."""
     out = {}
@@ -498,7 +514,8 @@ def run(args: argparse.Namespace) -> dict:
         load_s = time.monotonic() - t0
         log(f"load stopped after {load_s:.1f}s (in-flight requests finished); draining")
         t_drain = time.monotonic()
-        leaked = cluster.wait_idle(args.drain_timeout)
+        accounting = leak_accounting({iid: m.role for iid, m in cluster.members.items()},
+                                     cluster.wait_idle(args.drain_timeout))
         result["drain_s"] = round(time.monotonic() - t_drain, 1)
         time.sleep(0.5)  # let freed Python/torch memory settle before the last sample
         final = sampler.sample()
@@ -519,12 +536,10 @@ def run(args: argparse.Namespace) -> dict:
         for iid, m in cluster.members.items():
             base_rss, end_rss = baseline.get(iid, 0), final.get(iid, 0)
             growth = (end_rss - base_rss) / base_rss * 100 if base_rss and end_rss else None
-            instances[iid] = {"role": m.role, "alive": m.alive, "leaked_blocks": leaked.get(iid),
+            instances[iid] = {"role": m.role, "alive": m.alive, "leaked_blocks": accounting["leaked"].get(iid),
                               "rss_warm_bytes": base_rss, "rss_end_bytes": end_rss, "rss_max_bytes": peak.get(iid, 0),
                               "rss_growth_pct": None if growth is None else round(growth, 2),
                               **{f"after_drain_{k}": v for k, v in states.get(iid, {}).items() if v is not None}}
-        engines_ok = all(instances[iid]["leaked_blocks"] == 0 for iid, m in cluster.members.items()
-                         if m.role != Role.ROUTER)
         growth_ok = all(i["rss_growth_pct"] is not None and i["rss_growth_pct"] <= args.max_growth
                         for i in instances.values())
         result.update({
@@ -537,8 +552,9 @@ def run(args: argparse.Namespace) -> dict:
             "died": died,
             "hung_examples": tally.hung_examples,
             "rss_samples": len(sampler.samples),
-            "checks": {"no_leaks": engines_ok, "rss_growth_ok": growth_ok, "no_hung": tally.hung == 0,
-                       "none_died": not died},
+            "health_unanswered": accounting["unanswered"],
+            "checks": {"no_leaks": accounting["ok"], "health_answered": not accounting["unanswered"],
+                       "rss_growth_ok": growth_ok, "no_hung": tally.hung == 0, "none_died": not died},
         })
         result["ok"] = all(result["checks"].values())
         return result
@@ -571,12 +587,15 @@ def print_report(result: dict) -> None:
     print(f"\n{'instance':<10} {'role':<8} {'alive':<5} {'leaked':>6} {'RSS warm':>9} {'RSS end':>9} "
           f"{'growth%':>8} {'RSS max':>9}   (MiB)")
     for iid, i in (result.get("instances") or {}).items():
-        leaked = "-" if i["role"] == Role.ROUTER else str(i["leaked_blocks"])
+        leaked = "-" if i["role"] == Role.ROUTER else "no answer" if i["leaked_blocks"] is None \
+            else str(i["leaked_blocks"])
         growth = "-" if i["rss_growth_pct"] is None else f"{i['rss_growth_pct']:+.2f}"
-        print(f"{iid:<10} {i['role']:<8} {str(i['alive']):<5} {leaked:>6} {_mib(i['rss_warm_bytes']):>9} "
+        print(f"{iid:<10} {i['role']:<8} {i['alive']!s:<5} {leaked:>6} {_mib(i['rss_warm_bytes']):>9} "
               f"{_mib(i['rss_end_bytes']):>9} {growth:>8} {_mib(i['rss_max_bytes']):>9}")
     if result.get("died"):
         print(f"DIED: {result['died']}")
+    if result.get("health_unanswered"):
+        print(f"no health answer (blocks not counted, a failure): {result['health_unanswered']}")
     if result.get("stopped_cleanly") and not all(result["stopped_cleanly"].values()):
         print(f"did not stop gracefully: {[k for k, v in result['stopped_cleanly'].items() if not v]}")
     if result.get("hung_examples"):

@@ -7,6 +7,7 @@ arrive before the request's deadline (or the lease), everything is freed.
 
 Migration: ``resume`` continues a request another decoder lost, from its prompt and every token the
 client already has (recomputed here; no KV crosses). The router sends it under a fresh attempt id.
+Any decoder takes it, a relay as well as MD (local finish), even one that never held the request.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ REQUEST_HIT_RATIO = Histogram("pdd:request_prefix_hit_ratio", "Per-request share
 REQUEST_WAN_BYTES = Histogram("pdd:request_wan_bytes", "KV bytes one request moved across the WAN",
                               buckets=(0, 2**16, 2**18, 2**20, 2**22, 2**24, 2**26, 2**28, 2**30))
 MIGRATIONS = Counter("pdd:request_migrations_total",
-                     "Requests moved to another instance after a failure (resume from emitted tokens or retry)",
-                     ["kind"])
+                     "Requests moved to another instance after a failure (resume from emitted tokens or retry), "
+                     "by why (decoder_lost, prefill_lost, stalled, an error code) and the role that took them over",
+                     ["kind", "reason", "role"])
 WAN_UP = Gauge("pdd:wan_link_up", "1 while the router routes KV over the WAN to this main-decode instance", ["main_decode"])
 WAN_FALLBACKS = Counter("pdd:wan_fallback_total", "WAN KV transfers that failed and fell back", ["action"])
 

@@ -149,6 +149,27 @@ class WanEmulation:
                 found = True
         return found
 
+    CUT_TABLE = "pdd_wan_cut"
+
+    def cut(self) -> None:
+        """Drop every packet crossing the link, both ways, until ``mend()``: a pulled cable, silent to
+        both sides (no reset, no unreachable). An nftables table in site A's namespace drops what
+        leaves into and arrives from its TUN device (this kernel has no netem)."""
+        require_root()
+        c = self.config
+        rules = (f"table inet {self.CUT_TABLE} {{\n"
+                 f"  chain cut_in {{ type filter hook input priority 0; iifname \"{c.tun_a}\" drop; }}\n"
+                 f"  chain cut_out {{ type filter hook output priority 0; oifname \"{c.tun_a}\" drop; }}\n}}\n")
+        proc = subprocess.run(["ip", "netns", "exec", c.ns_a, "nft", "-f", "-"], input=rules, check=False,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise WanError(f"cutting the link with nft in {c.ns_a} failed: {proc.stderr.strip() or 'nft missing?'}")
+
+    def mend(self) -> None:
+        """Undo ``cut()`` (nothing to do when the link is not cut)."""
+        require_root()
+        _sh("ip", "netns", "exec", self.config.ns_a, "nft", "delete", "table", "inet", self.CUT_TABLE, check=False)
+
     def status(self) -> dict:
         if not self.is_up():
             return {"up": False, "ns_a": self.config.ns_a, "ns_b": self.config.ns_b}

@@ -131,13 +131,15 @@ class LocalCluster:
 
     def __init__(self, run_dir: Path, config: dict, env: dict[str, str] | None = None,
                  nats_args: list[str] | None = None, nats_options: dict[str, Any] | None = None,
-                 instance_env: dict[str, dict[str, str]] | None = None):
+                 instance_env: dict[str, dict[str, str]] | None = None,
+                 launch_prefix: dict[str, list[str]] | None = None):
         self.run_dir = Path(run_dir)
         self.config = json.loads(json.dumps(config))
         self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **shared_host_env(), **(env or {})}
         self.nats_args = list(nats_args or [])
         self.nats_options = dict(nats_options or {})
         self.instance_env = dict(instance_env or {})  # extra environment for one instance (by id)
+        self.launch_prefix = dict(launch_prefix or {})  # argv before one instance's (by id): its site's netns
         self.nats: NatsServer | None = None
         self.nats_port = free_port()
         self.members: dict[str, Member] = {}
@@ -177,8 +179,8 @@ class LocalCluster:
         log_file = open(log_path, "ab")
         offset = log_file.tell()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd.services.launch.cli", "serve", inst["role"], "--config", str(self.config_path),
-             "--instance-id", instance_id],
+            [*self.launch_prefix.get(instance_id, []), sys.executable, "-m", "pdd.services.launch.cli", "serve",
+             inst["role"], "--config", str(self.config_path), "--instance-id", instance_id],
             stdout=log_file, stderr=subprocess.STDOUT,
             env={**os.environ, **self.env, **self.instance_env.get(instance_id, {}), **(env or {})},
             start_new_session=True)

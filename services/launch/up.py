@@ -7,7 +7,13 @@ transport, no root needed); ``--wan rate=..,delay=..`` sets other figures, ``--w
 and a base config's own ``transports.wan.options.shape`` wins over the default.
 KV crosses it encrypted: a CURVE key pair is generated into the run folder (``keys/``) unless the
 base config already sets ``transports.wan.options.curve`` (own keys, or ``false``) or ``--no-curve``.
-Ctrl-C / SIGTERM stops everything (drain, then kill stragglers) and leaves no process behind.
+Every child (nats-server and each service) is supervised (``supervisor.py``): one that exits is
+restarted after a capped backoff while the rest keep serving; only Ctrl-C / SIGTERM stops `pdd up`
+(drain, then kill stragglers), and it leaves no process behind. It refuses to start when its API
+port is taken, and it says ``ready`` only once its own router answers (``readiness.py``): a foreign
+server on the port is never mistaken for it. ``--api-key`` makes the API require a Bearer key.
+``--sites netns`` (root) runs site A and site B in two network namespaces joined by the kernel WAN
+emulation, one nats-server each (``sites.py``: where each role runs, the leaf link, token auth).
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ import yaml
 from pdd.engine.cpu_features import AUTO, SERVING_DTYPES, resolve_dtypes
 from pdd.services.launch.host_env import shared_host_env
 from pdd.services.launch.natsserver import free_port, start_nats_server
+from pdd.services.launch.readiness import port_taken, progress, router_ready
+from pdd.services.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites, netns_sites
+from pdd.services.launch.supervisor import Supervisor
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
 from pdd.transports.keys_cli import write_keypair
@@ -123,10 +132,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"transports.wan.options.shape wins over the default")
     for role, site in ((Role.PREFILL, "site-a"), (Role.RELAY, "site-a"), (Role.MAIN_DECODE, "site-b")):
         parser.add_argument(f"--{role}", type=int, default=1, help=f"{role} instances ({site})")
+    parser.add_argument("--sites", default=None, choices=[NETNS],
+                        help="netns (root): site A (router, prefill, relay, its nats-server) and site B (main decode, "
+                             "its nats-server, a leaf node of A's) in two network namespaces joined by the kernel WAN "
+                             "emulation at --wan's figures; NATS token auth. Default: one box, one nats-server")
     parser.add_argument("--run-dir", default=None, help="where logs, config and spans go (default runs/<time>)")
     parser.add_argument("--ask", default=None, help="send this chat message once the system is up and print the reply")
     parser.add_argument("--exit-after-ask", action="store_true", help="stop after answering --ask")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on the API (repeat for several keys; requests "
+                             "without one get 401). PDD__ROUTER__API_KEYS='[\"KEY\"]' in the environment does the "
+                             "same and keeps the key out of the process list")
     parser.add_argument("--no-curve", action="store_true",
                         help="send KV between the sites unencrypted (default: CURVE with keys generated in the run "
                              "folder, unless the base config sets transports.wan.options.curve)")
@@ -176,6 +193,7 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     base["instances"] = instances
     base["router"]["host"] = args.host
     base["router"]["port"] = args.port
+    base["router"]["api_keys"] = list(base["router"]["api_keys"]) + list(getattr(args, "api_key", None) or [])
     notes["wan"] = wan_shape(base, args.wan)
     notes["curve"] = wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
     if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
@@ -189,48 +207,36 @@ def _say(msg: str) -> None:
     print(f"[pdd up] {msg}", flush=True)
 
 
-def _health(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        try:
-            return exc.code, json.loads(exc.read())
-        except Exception:
-            return exc.code, {}
-    except OSError:
-        return 0, {}
-
-
-def _progress(log_path: Path) -> str:
-    """Last lifecycle event of a service, from its JSON log."""
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "starting"
-    for line in reversed(lines):
-        try:
-            event = json.loads(line).get("event", "")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if event in ("model_loading", "model_loaded", "service_ready", "api_listening", "service_draining"):
-            return event.replace("_", " ")
-    return "starting"
-
-
-def _ask(base_url: str, text: str) -> str:
-    with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as resp:
+def _ask(base_url: str, text: str, api_key: str | None = None) -> str:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/v1/models", headers=headers), timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=300) as resp:
         reply = json.loads(resp.read())
     return reply["choices"][0]["message"]["content"] + f"\n  [pipeline: {reply.get('pdd', {}).get('pipeline')}]"
 
 
+def _service_starter(inst: dict, config_path: Path, log_path: Path, sites: TwoSites | None = None):
+    """How the supervisor (re)starts one `pdd serve` process (inside its site with ``sites``); its log is
+    appended to across restarts."""
+    def start() -> subprocess.Popen:
+        with open(log_path, "ab") as log:  # the child holds its own descriptor
+            return subprocess.Popen(
+                [*(sites.prefix(inst["site"]) if sites else []), sys.executable, "-m", "pdd.services.launch.cli",
+                 "serve", inst["role"], "--config", str(config_path), "--instance-id", inst["id"]],
+                stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **shared_host_env(), **(sites.env(inst["site"]) if sites else {})})
+    return start
+
+
 def run(args: argparse.Namespace) -> int:
+    if port_taken(args.host, args.port):
+        print(f"pdd up: API port {args.port} on {args.host} is already in use (another `pdd up` or another "
+              f"server?); stop it or choose another port with --port", file=sys.stderr)
+        return 1
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     stop = {"now": False}
@@ -240,42 +246,67 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    nats = start_nats_server(port=free_port(), log_file=str(run_dir / "nats-server.log"))
-    procs: dict[str, subprocess.Popen] = {}
+    supervisor = Supervisor(_say)
+    sites: TwoSites | None = None
+    if args.sites == NETNS:
+        try:
+            sites = netns_sites(run_dir / "nats", parse_wan(DEFAULT_WAN if args.wan is None else args.wan))
+            sites.build()
+        except (SitesError, ValueError) as exc:
+            print(f"pdd up: {exc}", file=sys.stderr)
+            return 1
+        args.host = sites.host(SITE_A)  # the router's API listens on site A's address (reached over its access link)
+        for site in (SITE_A, SITE_B):
+            nats = supervisor.add(f"nats-{site}", lambda site=site: sites.start_nats(site).process,
+                                  sites.run_dir / f"nats-{site}.log", tier=0)
+        nats_url = sites.nats_url(SITE_A)
+    else:
+        nats_port = free_port()
+        nats_log = run_dir / "nats-server.log"
+        nats = supervisor.add("nats-server", lambda: start_nats_server(port=nats_port, log_file=str(nats_log)).process,
+                              nats_log, tier=0)
+        nats_url = f"nats://127.0.0.1:{nats_port}"
     notes: dict[str, str] = {}
     try:
         try:
-            config = build_config(args, nats.url, run_dir, notes)
+            config = build_config(args, nats_url, run_dir, notes)
+            if sites is not None:
+                sites.place(config)
+                config["transports"]["wan"]["options"].pop("shape", None)  # the kernel link is the WAN
+                notes["wan"] = f"{SITES}: {sites.describe()}"
             load_config_path = run_dir / "pdd.yaml"
-            load_config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+            # 0600: it may hold API keys and other secrets from the base config or the environment
+            fd = os.open(load_config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(yaml.safe_dump(config, sort_keys=False))
             load_config(load_config_path)  # validate what we generated
         except (ConfigError, ValueError) as exc:
             print(str(exc), file=sys.stderr)
             return 1
         _say(f"run folder {run_dir}")
-        _say(f"nats-server {nats.url} (pid {nats.pid})")
+        _say(f"nats-server {nats_url} (pid {nats.proc.pid})" if sites is None else
+             f"nats-servers: {', '.join(f'{site} {sites.nats_url(site)}' for site in (SITE_A, SITE_B))} (site-b a leaf "
+             f"node of site-a across the WAN; token auth on clients, user/password on the leaf link)")
         curve = config["transports"]["wan"]["options"].get("curve")
         _say(f"WAN KV: {config['transports']['wan']['name']}, "
              + ("CURVE-encrypted" if curve else "NOT encrypted (no CURVE)"))
+        router_id = ""
         for inst in config["instances"]:
-            log = open(run_dir / f"{inst['id']}.log", "wb")
-            procs[inst["id"]] = subprocess.Popen(
-                [sys.executable, "-m", "pdd.services.launch.cli", "serve", inst["role"], "--config", str(load_config_path),
-                 "--instance-id", inst["id"]], stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **shared_host_env()})
-            _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={procs[inst['id']].pid}")
+            log_path = run_dir / f"{inst['id']}.log"
+            child = supervisor.add(inst["id"], _service_starter(inst, load_config_path, log_path, sites), log_path)
+            if inst["role"] == Role.ROUTER:
+                router_id = inst["id"]
+            _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={child.proc.pid}")
+        router = supervisor.children[router_id]
         base_url = f"http://{args.host}:{args.port}"
         deadline = time.monotonic() + args.startup_timeout
         last_status = ""
         while not stop["now"]:
-            for iid, proc in procs.items():
-                if proc.poll() is not None:
-                    _say(f"{iid} exited with code {proc.returncode}; see {run_dir / (iid + '.log')}")
-                    return 1
-            code, _ = _health(base_url + "/health")
-            if code == 200:
+            supervisor.poll()
+            if router_ready(base_url, args.port, router_id, router.log_path, router.log_offset):
                 break
-            status = ", ".join(f"{iid}: {_progress(run_dir / (iid + '.log'))}" for iid in procs)
+            status = ", ".join(f"{c.name}: {progress(c.log_path, c.log_offset)}"
+                               for c in supervisor.children.values() if c.tier > 0)
             if status != last_status:
                 _say(status)
                 last_status = status
@@ -286,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
         if stop["now"]:
             return 130
         _say(f"ready: OpenAI API {base_url}/v1   health {base_url}/health   metrics {base_url}/metrics")
+        api_keys = config["router"]["api_keys"]
+        _say(f"API key required ({len(api_keys)} configured): send 'Authorization: Bearer <key>'" if api_keys
+             else "API open to anyone who can reach it (no --api-key)")
         _say(notes["wan"])
         _say(f"serving {notes['dtype']}")
         spans = config["telemetry"].get("jsonl_path")
@@ -294,31 +328,22 @@ def run(args: argparse.Namespace) -> int:
         if args.ask:
             _say(f"asking: {args.ask}")
             try:
-                print(_ask(base_url, args.ask), flush=True)
-            except Exception as exc:
+                print(_ask(base_url, args.ask, api_keys[0] if api_keys else None), flush=True)
+            except (OSError, ValueError, KeyError, IndexError) as exc:
                 _say(f"request failed: {exc}")
                 return 1
             if args.exit_after_ask:
                 return 0
-        _say("serving; Ctrl-C to stop")
+        _say(f"serving; a service that exits is restarted (backoff {supervisor.backoff_s:g}s doubling to "
+             f"{supervisor.backoff_max_s:g}s); Ctrl-C to stop")
         while not stop["now"]:
-            for iid, proc in procs.items():
-                if proc.poll() is not None:
-                    _say(f"{iid} exited with code {proc.returncode}; stopping")
-                    return 1
+            supervisor.poll()
             time.sleep(0.5)
         return 0
     finally:
         _say("stopping")
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        t_end = time.monotonic() + 20
-        for proc in procs.values():
-            try:
-                proc.wait(max(0.1, t_end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        nats.stop()
-        _say("stopped")
+        supervisor.stop()
+        if sites is not None:
+            sites.down()
+        restarts = {name: n for name, n in supervisor.restarts().items() if n}
+        _say("stopped" + (f" (restarts: {', '.join(f'{k} {v}' for k, v in restarts.items())})" if restarts else ""))

@@ -1,11 +1,14 @@
 """When a request must leave the instances it is on, and where it goes to finish.
 
-Failover: an instance the request depends on leaves the registry (missed heartbeats), its decoder
-goes silent past ``stall_timeout_s``, or a retryable error arrives -> the request migrates under a
-fresh attempt id (the request loop in orchestrator.py does the move). With no token out yet it
-starts over on another prefill (routing.py); otherwise another decode instance resumes it from
-prompt + emitted tokens (recompute, no KV), so the client's stream goes on with no position lost or
-repeated. A failed WAN transfer in P-RLD-MD leaves the relay to finish.
+Failover: an instance the request depends on leaves the registry (missed heartbeats, e.g. after a
+``kill -9``: ``decoder_lost`` / ``prefill_lost``), its decoder goes silent past ``stall_timeout_s``,
+or a retryable error arrives -> the request migrates under a fresh attempt id (the request loop in
+orchestrator.py does the move). With no token out yet it starts over on another prefill
+(routing.py); otherwise another decoder resumes it from prompt + emitted tokens (recompute, no KV),
+so the client's stream goes on with no position lost or repeated: a main decode if one is left,
+else a relay (local finish). Only with no ready decoder left does the request fail (503
+``no_decode``, naming the decoders given up on and those that are draining).
+A failed WAN transfer in P-RLD-MD leaves the relay to finish.
 
 These are decisions over one request's state and the fleet's, kept out of the request loop so each
 rule reads on its own: who the request depends on now, whether something is wrong, what an error
@@ -26,7 +29,7 @@ from pdd.shared.bus import Bus
 from pdd.shared.config import PDDConfig
 from pdd.shared.pipelines import spec
 from pdd.shared.protocol import Announce, ErrorReply
-from pdd.shared.roles import Role
+from pdd.shared.roles import DECODERS, Role
 
 WATCH_INTERVAL_S = 0.25  # how often a waiting request checks its instances' health
 EXCLUDE_ON_ERROR = ("draining",)  # the sender itself cannot take this request now
@@ -42,15 +45,20 @@ class Failure:
     exclude: str | None = None  # an instance that should not get this request again
 
 
-def depends_on(state: InFlight) -> list[str]:
-    """Instances whose loss stalls this request now (a later owner is not yet needed)."""
+def depends_on(state: InFlight) -> list[Announce]:
+    """Instances whose loss stalls this request now (a later owner is not yet needed), the owner last."""
     if state.resumed_on is not None:
         return [state.resumed_on]
     route, tracker = state.route, state.tracker
     instances = {Role.PREFILL: route.prefill, Role.RELAY: route.relay,
                  Role.MAIN_DECODE: None if state.wan_fallback else route.main_decode}
     roles = spec(route.pipeline).depends_on(tracker.next_position, tracker.relay_until)
-    return [instances[r].instance_id for r in roles if instances[r] is not None]
+    return [instances[r] for r in roles if instances[r] is not None]
+
+
+def lost_code(role: Role | str) -> str:
+    """The failure code of an instance that left the registry: ``decoder_lost`` or ``prefill_lost``."""
+    return "decoder_lost" if role in DECODERS else f"{role}_lost"
 
 
 class HealthWatch:
@@ -70,17 +78,19 @@ class HealthWatch:
         grace = service.missed_heartbeats * service.heartbeat_ms / 1000 + self.config.nats.reconnect_settle_s
         if now - self._bus_down_at < grace:  # blind while NATS is away, and until heartbeats are back
             return None
-        for instance_id in depends_on(state):
-            if self.registry.get(instance_id) is None:
-                return Failure("instance_lost", f"{instance_id} stopped answering", exclude=instance_id)
+        for instance in depends_on(state):
+            if self.registry.get(instance.instance_id) is None:
+                return Failure(lost_code(instance.role), f"{instance.role} {instance.instance_id} stopped answering",
+                               exclude=instance.instance_id)
         # a stream silent since before a NATS outage lost its chunks with the old server: do not wait the
         # whole stall timeout for it once the fleet is visible again
         lost_in_outage = state.last_progress < self._bus_down_at
         silent = now - max(state.last_progress, self._bus_down_at + grace)
         limit = grace if lost_in_outage else self.config.router.stall_timeout_s
         if state.flushed and silent > limit:
-            owner = state.resumed_on or (depends_on(state) or [None])[-1]
-            return Failure("stalled", f"no output for {silent:.1f}s", exclude=owner)
+            owners = depends_on(state)
+            return Failure("stalled", f"no output for {silent:.1f}s",
+                           exclude=owners[-1].instance_id if owners else None)
         return None
 
 
@@ -105,8 +115,10 @@ def on_error(state: InFlight, error: ErrorReply, wan: WanHealth,
     return Failure(error.code, error.message, exclude=exclude)
 
 
-def resume_target(state: InFlight, registry: Registry, config: PDDConfig, prefer_relay: bool) -> str:
-    """Another decoder for the rest: MD (its DRC likely holds the prefix) or, after a WAN failure, a relay."""
+def resume_target(state: InFlight, registry: Registry, config: PDDConfig, prefer_relay: bool) -> Announce:
+    """Another decoder for the rest: MD (its DRC likely holds the prefix), else a relay (local finish); a relay
+    first after a WAN failure. 503 ``no_decode`` when none is ready, naming what was given up on and why the
+    decoders still known are not usable (draining: stopping, refusing new work)."""
     def pick(role: Role) -> Announce | None:
         options = [i for i in registry.instances(role) if i.instance_id not in state.excluded]
         if role == Role.RELAY:
@@ -117,5 +129,11 @@ def resume_target(state: InFlight, registry: Registry, config: PDDConfig, prefer
     for role in order:
         chosen = pick(role)
         if chosen is not None:
-            return chosen.instance_id
-    raise GenerationError(503, "no_decode", "no decode instance is left to resume the request on")
+            return chosen
+    others = [f"{i.instance_id} {i.state if i.state != 'ready' else 'unconfirmed'}" for role in DECODERS
+              for i in registry.instances(role, ready_only=False) if i.instance_id not in state.excluded]
+    given_up = sorted(state.excluded)
+    raise GenerationError(503, "no_decode", "no decode instance is left to resume the request on ("
+                          + (f"given up on {', '.join(given_up)}; " if given_up else "")
+                          + (f"not usable: {', '.join(others)}" if others
+                             else f"no other {Role.RELAY} or {Role.MAIN_DECODE} instance is alive") + ")")

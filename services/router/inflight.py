@@ -16,6 +16,7 @@ from typing import Any
 from pdd.services.router.ownership import OwnershipTracker
 from pdd.services.router.routing import Route
 from pdd.services.router.types import GenerationRequest
+from pdd.shared.protocol import Announce
 
 
 @dataclass
@@ -33,6 +34,6 @@ class InFlight:
     held_logprobs: list = field(default_factory=list)  # its logprobs (protocol.TokenLogprobs), when asked
     migrations: int = 0
     excluded: set[str] = field(default_factory=set)
-    resumed_on: str | None = None
+    resumed_on: Announce | None = None  # the decoder the request was last resumed on (it owns the rest)
     wan_fallback: bool = False  # P-RLD-MD whose WAN transfer failed: the relay finishes it
     last_progress: float = field(default_factory=time.monotonic)

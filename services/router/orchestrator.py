@@ -146,6 +146,8 @@ class Orchestrator:
         state.migrations += 1
         if failure.exclude:
             state.excluded.add(failure.exclude)
+        owners = failover.depends_on(state)
+        left = failure.exclude or (owners[-1].instance_id if owners else None)
         self.inflight.pop(state.attempt_id, None)
         await self._cancel(state.attempt_id, f"migrating: {failure.code}")
         if state.held:  # the client gets the held first token now: it is part of the resume point
@@ -162,7 +164,7 @@ class Orchestrator:
             state.wan_fallback, state.resumed_on = False, None
             reporting.note_route(span, state.route)
             await self._submit(state)
-            target = state.route.prefill.instance_id
+            target = state.route.prefill
         else:
             kind = "resume"
             target = failover.resume_target(state, self.registry, self.config,
@@ -171,16 +173,13 @@ class Orchestrator:
                                              relay_tokens=state.tracker.relay_tokens)
             state.resumed_on = target
             req = state.request
-            await self.bus.publish(Subjects.instance(target, "resume"), SubmitRequest(
+            await self.bus.publish(Subjects.instance(target.instance_id, "resume"), SubmitRequest(
                 request_id=state.attempt_id, prompt_ids=req.prompt_ids, sampling=req.sampling, pipeline=Pipeline.RESUME,
                 events_subject=self.events_subject, deadline_unix=req.deadline_unix,
                 output_ids=list(state.flushed)))
-        metrics.MIGRATIONS.labels(kind).inc()
-        state.meta["migrations"] = state.migrations
+        reporting.note_migration(state, span, kind, failure.code, left, target)
         log.warning("request_migrated", request_id=rid, kind=kind, reason=failure.code, detail=failure.message,
-                    to=target, resume_at=len(state.flushed))
-        span.add_event("migrated", {"kind": kind, "reason": failure.code, "to": target,
-                                    "resume_at": len(state.flushed)})
+                    left=left, to=target.instance_id, to_role=target.role, resume_at=len(state.flushed))
 
     async def _on_event(self, message: Message, _: Envelope) -> None:
         rid = getattr(message, "request_id", None)

@@ -15,6 +15,7 @@ from pdd.services.router.routing import Route
 from pdd.services.router.types import GenerationError
 from pdd.shared import metrics
 from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.protocol import Announce
 from pdd.shared.roles import Role
 
 SPAN_TOKEN_EVENTS_UNTIL = 64  # token events on the span for the stream's start: where eager tokens show
@@ -25,6 +26,22 @@ def note_route(span: trace.Span, route: Route) -> None:
                          "relay": route.relay.instance_id if route.relay else "",
                          "main_decode": route.main_decode.instance_id if route.main_decode else ""})
     metrics.PIPELINE.labels(route.pipeline, route.reason).inc()
+
+
+def note_migration(state: InFlight, span: trace.Span, kind: str, reason: str, left: str | None,
+                   target: Announce) -> None:
+    """A failover (``kind`` retry or resume): the counter, the span event, and in the `pdd` block the count,
+    each move (``failovers``: why, the instance left, the one taken, the role, the resume position) and, after
+    a resume, the decoder that finished it (``resumed_on``, ``resumed_on_role``)."""
+    at, role = len(state.flushed), str(target.role)
+    metrics.MIGRATIONS.labels(kind, reason, role).inc()
+    state.meta["migrations"] = state.migrations
+    state.meta.setdefault("failovers", []).append(
+        {"kind": kind, "reason": reason, "left": left, "to": target.instance_id, "role": role, "at": at})
+    if kind == "resume":
+        state.meta["resumed_on"], state.meta["resumed_on_role"] = target.instance_id, role
+    span.add_event("migrated", {"kind": kind, "reason": reason, "left": left or "", "to": target.instance_id,
+                                "role": role, "resume_at": at})
 
 
 def request_info(state: InFlight) -> dict[str, Any]:

@@ -25,7 +25,8 @@ def _assert_clean(report: dict) -> None:
         assert r["completed"] == r["total"], (name, r)
         assert r["identical"] == r["total"], (name, r)
         assert r["lost"] == 0 and r["hung"] == 0, (name, r)
-        assert r["leaked_blocks"] == 0, (name, r)
+        assert r["leaked_blocks"] == 0 and not r["health_unanswered"], (name, r)
+        assert r["fault_mid_stream"] is not False, (name, r)  # the victim held in-flight requests when hit
 
 
 def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model):
