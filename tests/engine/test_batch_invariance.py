@@ -90,8 +90,7 @@ def test_extend_known_after_k_tokens(engine, texts, alone, k):
 def test_imported_kv_continues_identically(engine, texts, alone, known):
     """P prefills and exports; a second engine (as RLD/MD) imports the blocks and continues after the
     first token, or after the first token plus `known` relay tokens (the main decoder's catch-up)."""
-    if known:
-        decoder = Engine(engine.model, engine.tokenizer, num_blocks=64, enable_prefix_cache=False)
+    decoder = Engine(engine.model, engine.tokenizer, num_blocks=64, enable_prefix_cache=False)
     prompt = texts[0]
     engine.add_request("x", prompt, GREEDY, max_new_tokens=1, hold_kv=True)
     first = run_all(engine)["x"]
