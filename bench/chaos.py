@@ -249,6 +249,8 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
             return
         if name in ("wan_cut", "wan_cut_net"):
             await asyncio.sleep(spread * 0.2)
+            if name == "wan_cut":  # and a main decoder holds requests, or the cut would hit nothing in flight
+                await asyncio.to_thread(wait_busy, cluster, Role.MAIN_DECODE, 1, spread)
         elif name == "kill_rld":  # relays hold requests briefly (until handoff or a short P-RLD finish)
             await wait_streaming(progress, 0.05, 2)
             await asyncio.to_thread(wait_busy, cluster, Role.RELAY, max(1, len(texts) // 8))
