@@ -97,7 +97,8 @@ class Linear:
         if form not in _warmed:  # every bucket's primitive now, so none is built later in the run
             _warmed.add(form)
             for b in ROW_BUCKETS:
-                self._packed(x.new_zeros(b, x.shape[1]), None if residual is None else residual.new_zeros(b, residual.shape[1]))
+                rows = None if residual is None else residual.new_zeros(b, residual.shape[1])
+                self._packed(x.new_zeros(b, x.shape[1]), rows)
         if x.shape[0] == 0:
             return self._packed(x, residual)
         outs, start = [], 0

@@ -105,7 +105,8 @@ def _q(value: str) -> str:
 
 def server_config(host: str, port: int, token: str | None = None, user: str | None = None,
                   password: str | None = None, tls: ServerTLS | None = None, nkeys: list[str] | None = None,
-                  leaf: LeafLink | None = None, monitor_port: int | None = None, ping_interval_s: int | None = None) -> str:
+                  leaf: LeafLink | None = None, monitor_port: int | None = None,
+                  ping_interval_s: int | None = None) -> str:
     """A nats-server config file's text for one client listener with the given auth and TLS.
 
     ``nkeys``: public user NKeys (U...) allowed in; clients prove the seed by signing a nonce.
