@@ -386,7 +386,7 @@ class Engine:
             start = req.num_computed
             input_ids.extend(req.tokens[start : start + n])
             positions.extend(range(start, start + n))
-            specs.append((req.block_table, start, n))
+            specs.append((req.block_table, start, n, start + n <= req.prompt_len))  # prompt only: fp32 attention
             offset += n
             if start + n == len(req.tokens) and not req.paused:
                 sample_reqs.append(req)

@@ -19,6 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's probability")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt/output tokens")
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many output tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens whatever the model says")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with prompt and output token ids")
     parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *SERVING_DTYPES],
@@ -39,8 +45,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"[pdd generate] {engine.dtype_choice.reason}", file=sys.stderr)
         tok = engine.tokenizer
         prompt_ids = render_chat(tok, args.prompt, args.system) if args.chat else list(tok(args.prompt).input_ids)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, stop=list(args.stop))
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                stop=list(args.stop), min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                                presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                min_tokens=args.min_tokens, ignore_eos=args.ignore_eos)
         engine.add_request("cli", prompt_ids, params, max_new_tokens=args.max_tokens)
     except (EngineInputError, FileNotFoundError, ValueError) as exc:  # ValueError: a dtype pair it cannot run
         print(f"error: {exc}", file=sys.stderr)

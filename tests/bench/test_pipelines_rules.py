@@ -13,7 +13,7 @@ from pdd.shared.pipelines import Pipeline
 TINY_ARGS = ["--sessions", "1", "--turns", "3", "--system-tokens", "60", "--task-tokens", "40",
              "--long-tool-tokens", "30", "--new-tokens", "8", "--output-tokens", "12",
              "--anomalous-prompt-tokens", "200", "--anomalous-min-prompt-tokens", "150",
-             "--calibration-sessions", "1", "--delay", "250ms", "--jitter", "0ms"]
+             "--think-s", "0.1", "--delay", "250ms", "--jitter", "0ms"]
 
 
 @pytest.fixture(scope="module")

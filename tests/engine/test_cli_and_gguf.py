@@ -26,6 +26,28 @@ def test_generate_chat_text_and_bad_input(llama_path, capsys):
     assert "top_p" in capsys.readouterr().err
 
 
+def test_generate_sampling_flags_reach_the_engine(llama_path, capsys):
+    """The penalties and ignore_eos given on the command line draw exactly what the engine draws with them."""
+    from pdd.engine import Engine, SamplingParams
+
+    flags = ["--max-tokens", "12", "--ignore-eos", "--repetition-penalty", "1.8", "--frequency-penalty", "0.7",
+             "--presence-penalty", "0.4", "--min-p", "0.05", "--temperature", "0.9", "--seed", "3", "--dtype", "float32"]
+    assert main(["generate", "--model", llama_path, "--prompt", "Hello world", "--json", *flags]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    engine = Engine.from_model(llama_path, kv_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0.9, seed=3, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.7,
+                            presence_penalty=0.4, min_p=0.05)
+    engine.add_request("r", got["prompt_token_ids"], params, max_new_tokens=12)
+    want = [t for _ in iter(engine.has_work, False) for o in engine.step() for t in o.token_ids]
+    plain = SamplingParams(temperature=0.9, seed=3, ignore_eos=True)
+    engine.add_request("p", got["prompt_token_ids"], plain, max_new_tokens=12)
+    without = [t for _ in iter(engine.has_work, False) for o in engine.step() for t in o.token_ids]
+    assert got["output_token_ids"] == want and len(want) == 12
+    assert without != want  # the flags changed the draw (else the comparison above proves nothing)
+    assert main(["generate", "--model", llama_path, "--prompt", "Hi", "--repetition-penalty", "0"]) == 2
+    assert "repetition_penalty" in capsys.readouterr().err
+
+
 def test_smollm2_gguf_matches_transformers():
     """3 prompts x 32 greedy tokens equal transformers' own GGUF loading of the same file."""
     from transformers import AutoModelForCausalLM

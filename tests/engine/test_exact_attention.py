@@ -98,3 +98,21 @@ def test_fp32_accumulation_is_not_exact(llama_path):
     engine.extend_known("ext", tokens[1:7])
     got = _logits(engine, "ext")
     assert any(not torch.equal(a, b) for a, b in zip(got[1:], want[7:]))
+
+
+def test_prompt_extends_accumulate_as_fresh_prompts_do(llama_path):
+    """A prefix-cache hit extends the rest of the prompt in fp32 in either mode: no decode ever recomputes
+    prompt tokens, and float64 took 2.7x as long there. So the first token's logits equal those of the fp32
+    mode bitwise, while the decode steps after it (float64 in the mode) do not."""
+    logits = {}
+    for mode in (True, False):
+        engine = make_engine(llama_path, dtype="float32", num_blocks=256, batch_invariant=mode)
+        engine.add_request("warm", PROMPT[:24], GREEDY, max_new_tokens=1)
+        while engine.has_work():
+            engine.step()
+        engine.capture_logits = True
+        engine.add_request("hit", PROMPT, GREEDY, max_new_tokens=6)
+        logits[mode] = _logits(engine, "hit")
+        assert engine.cache.stats.hit_tokens >= 20  # the prompt was extended over cached blocks
+    assert torch.equal(logits[True][0], logits[False][0])
+    assert any(not torch.equal(a, b) for a, b in zip(logits[True][1:], logits[False][1:]))
