@@ -346,6 +346,13 @@ def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
             "pipeline_mix": pipelines}
 
 
+def slo_misses(results: list[Result], tt2_slo: float, itl_slo: float) -> dict[str, int]:
+    """How many requests missed each part of the SLO (a request may miss both); 'failed' ended in error."""
+    done = [r for r in results if r.ok and r.positions and r.positions.tt2 is not None]
+    return {"failed": len(results) - len(done), "tt2": sum(r.positions.tt2 > tt2_slo for r in done),
+            "mean_itl": sum((r.positions.mean_itl or 0) > itl_slo for r in done)}
+
+
 def slo_share(results: list[Result], tt2_slo: float, itl_slo: float) -> float:
     good = [r for r in results if r.ok and r.positions and r.positions.tt2 is not None
             and r.positions.tt2 <= tt2_slo and (r.positions.mean_itl or 0) <= itl_slo]
@@ -504,7 +511,8 @@ class Bench:
             results, makespan = asyncio.run(run_open_loop(system.base_url, requests, rate, seed))
             share = slo_share(results, tt2_slo, itl_slo)
             print(f"  [{name}] goodput probe {rate:.3f} req/s: {share:.0%} within SLO "
-                  f"({sum(r.ok for r in results)}/{len(results)} ok, {makespan:.0f}s)", flush=True)
+                  f"({sum(r.ok for r in results)}/{len(results)} ok, {makespan:.0f}s; missed "
+                  f"{slo_misses(results, tt2_slo, itl_slo)})", flush=True)
             return share >= SLO_SHARE
 
         return highest_passing(passes, lo, hi, self.args.goodput_steps)

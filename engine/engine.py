@@ -33,7 +33,7 @@ from pdd.engine.model import CausalLM
 from pdd.engine.radix_cache import RadixCache
 from pdd.engine.request import ImportReservation, Request, Status, StepOutput
 from pdd.engine.sampling import SamplingParams, sample_rows, token_logprobs
-from pdd.engine.scheduler import Scheduler
+from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
 from pdd.kernels import build_attention_metadata
 from pdd.shared.kv_layout import KVLayout, dtype_from_name
 
@@ -51,6 +51,7 @@ class Engine:
         block_size: int = 16,
         max_num_seqs: int = 64,
         max_prefill_tokens: int = 4096,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         max_model_len: int | None = None,
         enable_prefix_cache: bool = True,
         cache_finished: bool = True,
@@ -58,7 +59,11 @@ class Engine:
         batch_invariant: bool = True,
     ) -> None:
         """``batch_invariant``: decode-phase attention accumulates in float64, so a request's tokens do not
-        depend on its batch mates or on extend vs decode (kernels/attention.py; what makes a handoff exact)."""
+        depend on its batch mates or on extend vs decode (kernels/attention.py; what makes a handoff exact).
+        ``prefill_chunk_tokens``: the most tokens one request computes per step (at most the step budget,
+        ``max_prefill_tokens``): a long prompt shares each step with the requests queued behind it."""
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         cfg = model.config
         self.model = model
         self.config: ModelConfig = cfg
@@ -77,7 +82,8 @@ class Engine:
         self.pool = KVPool(self.layout, num_blocks)
         self.cache = RadixCache(self.pool.allocator, block_size)
         self.scheduler = Scheduler(
-            self.pool.allocator, self.cache, block_size, max_num_seqs, max_prefill_tokens, enable_prefix_cache
+            self.pool.allocator, self.cache, block_size, max_num_seqs, max_prefill_tokens, enable_prefix_cache,
+            prefill_chunk_tokens,
         )
         limit = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
         self.max_context = min(limit, num_blocks * block_size)

@@ -2,8 +2,11 @@
 
 Policy (per step): every running request advances — one token if it is decoding, otherwise a
 chunk of its pending tokens (chunked prefill or extend) within the step's prefill-token
-budget; then waiting requests are admitted in arrival order while the batch has room and the
-pool has blocks for their whole prompt (free blocks plus evictable cache). When a running
+budget and at most ``prefill_chunk_tokens`` per request; then waiting requests are admitted in
+arrival order while the batch has room and the pool has blocks for their whole prompt (free
+blocks plus evictable cache). The per-request cap is what keeps a long prompt from holding the
+whole budget for several steps: the requests queued behind it get their chunks in the same step
+(vLLM's long_prefill_token_threshold). Measured on P in bench/pipelines.py: docs/OPERATIONS.md. When a running
 request cannot get a block, the newest running request is preempted: its computed KV goes to
 the radix cache and it is queued again, so it resumes by recompute (mostly a cache hit).
 """
@@ -17,6 +20,11 @@ from pdd.engine.radix_cache import RadixCache
 from pdd.engine.request import Request, Status
 
 
+# The most tokens one request computes per step unless configured: a 512-token chunk of SmolLM2 takes
+# ~1 s on one core, so a request queued behind a 2,400-token prompt waits about that, not its whole prefill.
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+
+
 class Scheduler:
     def __init__(
         self,
@@ -26,12 +34,14 @@ class Scheduler:
         max_num_seqs: int,
         max_prefill_tokens: int,
         enable_prefix_cache: bool = True,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         self.allocator = allocator
         self.cache = cache
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_chunk_tokens = min(prefill_chunk_tokens, max_prefill_tokens)
         self.enable_prefix_cache = enable_prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -102,7 +112,7 @@ class Scheduler:
             req = self.running[i]
             pending = req.num_pending
             # a paused request only extends known tokens: always a chunk, never a decode (no sampling)
-            n = 1 if pending == 1 and not req.paused else min(pending, budget)
+            n = 1 if pending == 1 and not req.paused else min(pending, budget, self.prefill_chunk_tokens)
             if n <= 0:
                 i += 1
                 continue
@@ -132,7 +142,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_pending, budget)
+            n = min(req.num_pending, budget, self.prefill_chunk_tokens)
             prefill.append((req, n))
             budget -= n
         return decode, prefill

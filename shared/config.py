@@ -62,7 +62,11 @@ class ModelConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024)
     kv_memory_mb: int = Field(512, ge=1, description="KV pool budget per instance")
     max_num_seqs: int = Field(64, ge=1)
-    max_prefill_tokens: int = Field(2048, ge=16)
+    max_prefill_tokens: int = Field(2048, ge=16, description="tokens one engine step prefills or extends, all "
+                                                           "requests together")
+    prefill_chunk_tokens: int | None = Field(
+        None, ge=1, description="the most tokens one request prefills per step, so a long prompt shares every step "
+                                "with the requests queued behind it; default: the engine's (512)")
     threads: int | None = Field(None, ge=1, description="torch threads per instance (default: torch's choice)")
     enable_prefix_cache: bool = Field(True, description="radix prefix cache (P) / Decode-side RadixCache (MD)")
 

@@ -78,3 +78,22 @@ def test_calibration_bisects_the_rate_on_baselines_only(args, tmp_path) -> None:
         assert found.converged and len(found.probes) == 1  # stops at the first probe within tolerance
     else:  # the second probe moves toward the target: a faster link when naive was too slow
         assert (found.probes[1]["x"] > first["x"]) == (first["y"] > bench.TARGET_RATIO)
+
+
+def test_goodput_probe_counts_which_slo_bound_each_request_missed() -> None:
+    from pdd.loadgen.positions import PositionTimes
+
+    planned = bench.Planned(0, 0, "turn", [1, 2, 3], 3, 0)
+
+    def result(times: list[float] | None) -> bench.Result:
+        if times is None:
+            return bench.Result(planned, ok=False, error="HTTP 503")
+        return bench.Result(planned, ok=True, positions=PositionTimes(0.0, times), output_tokens=len(times))
+
+    results = [result([0.5, 1.0, 1.2, 1.4, 1.6, 1.8]),  # within both
+               result([0.5, 2.5, 2.6, 2.7, 2.8, 2.9]),  # TT2 2.5 > 2.0 (mean ITL 0.48)
+               result([0.5, 1.0, 3.0, 5.0, 6.0, 7.0]),  # mean ITL 1.3 > 1.0
+               result([0.5, 4.0, 9.0, 9.5, 9.6, 9.7]),  # both
+               result(None)]
+    assert bench.slo_misses(results, 2.0, 1.0) == {"failed": 1, "tt2": 2, "mean_itl": 2}
+    assert bench.slo_share(results, 2.0, 1.0) == pytest.approx(0.2)
