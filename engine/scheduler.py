@@ -4,11 +4,11 @@ Policy (per step): every running request advances — one token if it is decodin
 chunk of its pending tokens (chunked prefill or extend) within the step's prefill-token
 budget and at most ``prefill_chunk_tokens`` per request; then waiting requests are admitted in
 arrival order while the batch has room and the pool has blocks for their whole prompt (free
-blocks plus evictable cache). The per-request cap is what keeps a long prompt from holding the
-whole budget for several steps: the requests queued behind it get their chunks in the same step
-(vLLM's long_prefill_token_threshold). Measured on P in bench/pipelines.py: docs/OPERATIONS.md. When a running
-request cannot get a block, the newest running request is preempted: its computed KV goes to
-the radix cache and it is queued again, so it resumes by recompute (mostly a cache hit).
+blocks plus evictable cache). The per-request cap keeps a long prompt from holding the whole
+budget for several steps: the requests queued behind it get their chunks in the same step (vLLM's
+long_prefill_token_threshold; measured on P in bench/pipelines.py, docs/OPERATIONS.md). When a
+running request cannot get a block, the newest running request is preempted: its computed KV goes
+to the radix cache and it is queued again, so it resumes by recompute (mostly a cache hit).
 """
 
 from __future__ import annotations

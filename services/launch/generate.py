@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top token's probability")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="drop tokens below min_p x the top token's probability")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt/output tokens")
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)

@@ -31,7 +31,8 @@ def test_generate_sampling_flags_reach_the_engine(llama_path, capsys):
     from pdd.engine import Engine, SamplingParams
 
     flags = ["--max-tokens", "12", "--ignore-eos", "--repetition-penalty", "1.8", "--frequency-penalty", "0.7",
-             "--presence-penalty", "0.4", "--min-p", "0.05", "--temperature", "0.9", "--seed", "3", "--dtype", "float32"]
+             "--presence-penalty", "0.4", "--min-p", "0.05", "--temperature", "0.9", "--seed", "3",
+             "--dtype", "float32"]
     assert main(["generate", "--model", llama_path, "--prompt", "Hello world", "--json", *flags]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     engine = Engine.from_model(llama_path, kv_memory_bytes=16 << 20)
