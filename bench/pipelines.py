@@ -348,15 +348,19 @@ def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
 
 def slo_misses(results: list[Result], tt2_slo: float, itl_slo: float) -> dict[str, int]:
     """How many requests missed each part of the SLO (a request may miss both); 'failed' ended in error."""
-    done = [r for r in results if r.ok and r.positions and r.positions.tt2 is not None]
+    done = _completed(results)
     return {"failed": len(results) - len(done), "tt2": sum(r.positions.tt2 > tt2_slo for r in done),
             "mean_itl": sum((r.positions.mean_itl or 0) > itl_slo for r in done)}
 
 
 def slo_share(results: list[Result], tt2_slo: float, itl_slo: float) -> float:
-    good = [r for r in results if r.ok and r.positions and r.positions.tt2 is not None
-            and r.positions.tt2 <= tt2_slo and (r.positions.mean_itl or 0) <= itl_slo]
+    good = [r for r in _completed(results) if r.positions.tt2 <= tt2_slo and (r.positions.mean_itl or 0) <= itl_slo]
     return len(good) / max(1, len(results))
+
+
+def _completed(results: list[Result]) -> list[Result]:
+    """Requests that streamed at least two positions (the SLO's TT2 exists)."""
+    return [r for r in results if r.ok and r.positions and r.positions.tt2 is not None]
 
 
 def read_spans(spans_path: Path, request_ids: set[str]) -> list[dict]:
