@@ -4,8 +4,8 @@ One class covers the family; the differences are flags in ModelConfig (qkv bias,
 tied embeddings). Weights are repacked at load time: q/k/v into one matrix and gate/up into
 one, so a layer is four GEMMs plus attention (fewer kernel launches, better GEMM shapes).
 
-Projections are `pdd.kernels.Linear`: oneDNN-packed weights on CPU where available, else a
-transposed weight for ``torch.mm``. The o and down projections fuse the residual add into the GEMM.
+Projections are `pdd.kernels.Linear`: our row-invariant kernel on AVX2 CPUs (float32 weights),
+oneDNN-packed weights elsewhere on CPU where available, else a transposed weight for ``torch.mm``. The o and down projections fuse the residual add into the GEMM.
 """
 
 from __future__ import annotations
@@ -75,6 +75,11 @@ class CausalLM:
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
         )
         self.scale = config.head_dim ** -0.5
+
+    @property
+    def linear_kernel(self) -> str:
+        """The projections' route (kernels/linear.py), for the startup log."""
+        return self.layers[0].qkv.kernel if self.layers else self.lm_head.kernel
 
     @torch.inference_mode()
     def forward(

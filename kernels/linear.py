@@ -1,6 +1,7 @@
 """Dense projections ``x @ W^T (+ bias) (+ residual)`` in the fastest form the platform offers.
 
-On CPUs with oneDNN the weight is packed once, at load, into oneDNN's blocked layout and applied
+On x86 CPUs with AVX2/FMA, float32 weights go to our own kernel (kernels/cpu_linear.py): row-invariant by
+construction and faster than oneDNN at every row count measured (docs/ENGINE.md). Elsewhere, on CPUs with oneDNN the weight is packed once, at load, into oneDNN's blocked layout and applied
 with its linear primitive (residual add fused). The plain route, ``torch.mm`` with a transposed
 weight, goes to MKL's sgemm, which on AMD EPYC re-packs the whole weight on every call when the
 batch has few rows: a decode step of 8-32 sequences ran 3-5x slower per GEMM than oneDNN with the
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pdd.kernels import cpu_linear
 
 # Rows the packed layout is tuned for (a typical decode batch); any row count works with it.
 _PACK_ROWS_HINT = 32
@@ -62,16 +65,29 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class Linear:
     """One projection; built from an ``[out_features, in_features]`` weight (checkpoint layout)."""
 
-    __slots__ = ("bias", "packed", "shape", "weight")
+    __slots__ = ("bias", "packed", "row_invariant", "shape", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        packed = _pack(weight)
-        self.packed = packed is not None
-        self.weight = packed if packed is not None else weight.t().contiguous()
         self.bias = bias
         self.shape = (tuple(weight.shape), weight.dtype, bias is not None)
+        self.row_invariant = weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_linear.available()
+        packed = None if self.row_invariant else _pack(weight)
+        self.packed = packed is not None
+        if self.row_invariant:
+            self.weight = cpu_linear.pack(weight)
+        else:
+            self.weight = packed if packed is not None else weight.t().contiguous()
+
+    @property
+    def kernel(self) -> str:
+        """Which route this projection runs (logged at startup: fleets should agree, for exact handoffs)."""
+        if self.row_invariant:
+            return "pdd-row-invariant"
+        return "onednn-packed" if self.packed else "torch-mm"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_invariant:
+            return cpu_linear.linear(x, self.weight, self.shape[0][0], self.bias)
         if self.packed:
             return self._bucketed(x, None)
         if self.bias is None:
@@ -80,6 +96,8 @@ class Linear:
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + x @ W^T (+ bias)``, the add fused into the GEMM where the backend can."""
+        if self.row_invariant:
+            return cpu_linear.linear(x, self.weight, self.shape[0][0], self.bias, residual)
         if self.bias is not None:
             return residual + self(x)
         if self.packed:

@@ -140,7 +140,8 @@ class EngineService(Service):
             )
             choice = self.engine.dtype_choice
             log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
-                     kv_dtype=choice.kv_dtype, dtype_reason=choice.reason, layout=self.engine.layout.to_dict(),
+                     kv_dtype=choice.kv_dtype, dtype_reason=choice.reason,
+                     linear_kernel=self.engine.model.linear_kernel, layout=self.engine.layout.to_dict(),
                      kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
             await fleet.check(self.engine.layout, self.config.service.heartbeat_ms / 1000)
         finally:

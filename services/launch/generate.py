@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = Engine.from_model(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, num_threads=args.threads,
                                    kv_memory_bytes=64 * 1024 * 1024)
-        print(f"[pdd generate] {engine.dtype_choice.reason}", file=sys.stderr)
+        print(f"[pdd generate] {engine.dtype_choice.reason}; linear kernel {engine.model.linear_kernel}",
+              file=sys.stderr)
         tok = engine.tokenizer
         prompt_ids = render_chat(tok, args.prompt, args.system) if args.chat else list(tok(args.prompt).input_ids)
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,

@@ -1,14 +1,20 @@
-"""kernels.Linear: the packed (oneDNN) and plain (torch.mm) routes compute the same projection."""
+"""kernels.Linear: the row-invariant (our C kernel), packed (oneDNN) and plain (torch.mm) routes compute the
+same projection."""
 
 import pytest
 import torch
 
 import pdd.kernels.linear as linear_mod
-from pdd.kernels import Linear
+from pdd.kernels import Linear, cpu_linear
 
 
-@pytest.fixture(params=["packed", "plain"])
+@pytest.fixture(params=["row_invariant", "packed", "plain"])
 def route(request, monkeypatch):
+    if request.param == "row_invariant":
+        if not cpu_linear.available():
+            pytest.skip(f"row-invariant kernel unavailable: {cpu_linear.unavailable_reason()}")
+        return request.param
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
     if request.param == "plain":
         monkeypatch.setattr(linear_mod, "_pack", lambda weight: None)
     elif linear_mod._pack(torch.randn(8, 8)) is None:
@@ -25,7 +31,7 @@ def test_projection_and_fused_residual(route, rows, with_bias):
     x = torch.randn(rows, 64, generator=g)
     residual = torch.randn(rows, 96, generator=g)
     lin = Linear(weight, bias)
-    assert lin.packed == (route == "packed")
+    assert lin.packed == (route == "packed") and lin.row_invariant == (route == "row_invariant")
     want = x @ weight.t() + (bias if bias is not None else 0)
     torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lin.add_to(residual, x), residual + want, rtol=1e-4, atol=1e-4)
