@@ -16,7 +16,9 @@ each as a fraction of its limit:
   forwarded (prompt + outputs - 1), ctx the causal context of each forwarded token (position + 1), S the
   rows that sample (lm_head runs only for them), P_layers the projection weights of all layers.
 The float32 run also runs Hugging Face transformers ``generate`` (batched, left-padded) on the same
-checkpoint for the ratios. Where the CPU has no native bf16 (avx512_bf16 / amx_bf16 absent) torch's
+checkpoint for the ratios. Where our projection kernel runs (kernels/cpu_linear.py: AVX2 CPUs), bf16
+means bf16 weights and KV in fp32 arithmetic, and the bfloat16 pass's GEMM peak is the fp32 one
+(``bf16_arithmetic`` in the JSON). Without it and without native bf16 (avx512_bf16 / amx_bf16), torch's
 bf16 matmul falls back to scalar code: the bfloat16 pass then runs batch 1 and a 1x16 prefill only (its
 batched fractions are null, the reduced sizes are printed in the JSON).
 
@@ -243,22 +245,27 @@ def main() -> int:
                       args.prefill_batch, args.prefill_len)
         bw_bytes, max_n = 512 << 20, 2048
     from pdd.engine.cpu_features import bf16_support
+    from pdd.kernels import activation_dtype
 
     native = bf16_support()[0]
+    # our projection kernel takes bf16 weights in fp32 arithmetic: the bf16 pass is then bound by the fp32 peak
+    bf16_in_fp32 = activation_dtype(torch.bfloat16) == torch.float32
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     bandwidth = measure_bandwidth(bw_bytes)
     figures: dict = {"threads": args.threads, "load_avg_1min": round(load, 2), "bf16_native": native,
+                     "bf16_arithmetic": "float32" if bf16_in_fp32 else "bfloat16",
                      "read_bandwidth_gb_s": round(bandwidth / 1e9, 2)}
     rows: list[tuple] = []
     peaks: dict[str, float] = {}
     for dtype in dtypes:
         sfx = DTYPE_SUFFIX[dtype]
-        peak, n = measure_gemm_peak(dtype, max_n)
+        arithmetic = "float32" if dtype == "bfloat16" and bf16_in_fp32 else dtype
+        peak, n = measure_gemm_peak(arithmetic, max_n)
         peaks[sfx] = peak
         figures[f"gemm_peak_gflop_s_{sfx}"] = round(peak / 1e9, 2)
         figures[f"gemm_peak_n_{sfx}"] = n
         dshape = shape
-        if dtype == "bfloat16" and not native and not args.quick:
+        if dtype == "bfloat16" and not native and not bf16_in_fp32 and not args.quick:
             # without bf16 instructions torch's bf16 matmul is a scalar fallback (~0.2 GFLOP/s, a SmolLM2
             # decode step takes seconds): batch 1 and a short prefill only, the batched figures are null
             dshape = Shape([1], 2, 4, 1, 16)
@@ -274,7 +281,8 @@ def main() -> int:
             figures["engine_tok_s_batch1_bf16"] / figures["engine_tok_s_batch1_fp32"], 3)
 
     print(f"load {load:.2f}, {args.threads} threads, read bandwidth {bandwidth / 1e9:.1f} GB/s, GEMM peak "
-          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()) + f", native bf16: {native}")
+          + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in peaks.items()) + f", native bf16: {native}, "
+          f"bf16 arithmetic: {figures['bf16_arithmetic']}")
     print(f"{'dtype':<10}{'run':<16}{'tok/s':>10}{'of BW':>8}{'of GEMM':>9}{'HF tok/s':>10}{'vs HF':>7}")
     for dtype, name, tok_s, frac, theirs in rows:
         bw = f"{frac['bandwidth']:.3f}" if "bandwidth" in frac else "-"

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from pdd.engine.config import ModelConfig
-from pdd.kernels import AttentionMetadata, Linear, RotaryEmbedding, apply_rotary, paged_attention, rms_norm
+from pdd.kernels import (
+    AttentionMetadata,
+    Linear,
+    RotaryEmbedding,
+    activation_dtype,
+    apply_rotary,
+    paged_attention,
+    rms_norm,
+)
 
 
 @dataclass
@@ -36,7 +44,11 @@ class CausalLM:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.config = config
-        self.dtype = dtype
+        self.dtype = dtype  # the weights'
+        # the residual stream's, norms', attention's: float32 where the projections take bf16 weights in
+        # fp32 arithmetic (our kernel), which keeps SmolLM2's bf16 top-1 within 1 % of fp32 (docs/ENGINE.md)
+        self.activation_dtype = activation_dtype(dtype)
+        act = self.activation_dtype
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -44,10 +56,10 @@ class CausalLM:
             return weights[name].to(dtype).contiguous()
 
         def opt(name: str) -> torch.Tensor | None:
-            return weights[name].to(dtype).contiguous() if name in weights else None
+            return weights[name].to(dtype).to(act).contiguous() if name in weights else None
 
-        self.embed = w("model.embed_tokens.weight")
-        self.final_norm = w("model.norm.weight")
+        self.embed = w("model.embed_tokens.weight")  # weights' dtype; rows widen to act at lookup
+        self.final_norm = w("model.norm.weight").to(act)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
             self.lm_head = Linear(w("lm_head.weight"))
         else:
@@ -60,19 +72,19 @@ class CausalLM:
             bias = None
             if config.qkv_bias:
                 bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
-                                  w(p + "self_attn.v_proj.bias")]).contiguous()
+                                  w(p + "self_attn.v_proj.bias")]).to(act).contiguous()
             self.layers.append(LayerWeights(
-                input_norm=w(p + "input_layernorm.weight"),
+                input_norm=w(p + "input_layernorm.weight").to(act),
                 qkv=Linear(qkv, bias),
                 o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
                 q_norm=opt(p + "self_attn.q_norm.weight") if config.qk_norm else None,
                 k_norm=opt(p + "self_attn.k_norm.weight") if config.qk_norm else None,
-                post_norm=w(p + "post_attention_layernorm.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight").to(act),
                 gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], dim=0)),
                 down=Linear(w(p + "mlp.down_proj.weight")),
             ))
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, dtype
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, act
         )
         self.scale = config.head_dim ** -0.5
 
@@ -97,7 +109,7 @@ class CausalLM:
         inter = cfg.intermediate_size
         num_tokens = input_ids.shape[0]
         cos, sin = self.rotary.lookup(positions)
-        hidden = self.embed.index_select(0, input_ids)
+        hidden = self.embed.index_select(0, input_ids).to(self.activation_dtype)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv(x).view(num_tokens, hq + 2 * hkv, dim)

@@ -10,7 +10,7 @@ from pdd.kernels.attention import (
     paged_attention,
     write_kv,
 )
-from pdd.kernels.linear import Linear
+from pdd.kernels.linear import Linear, activation_dtype
 from pdd.kernels.norm import rms_norm
 from pdd.kernels.rotary import RotaryEmbedding, apply_rotary
 
@@ -20,6 +20,7 @@ __all__ = [
     "paged_attention",
     "write_kv",
     "Linear",
+    "activation_dtype",
     "rms_norm",
     "RotaryEmbedding",
     "apply_rotary",

@@ -1,7 +1,8 @@
 """Dense projections ``x @ W^T (+ bias) (+ residual)`` in the fastest form the platform offers.
 
-On x86 CPUs with AVX2/FMA, float32 weights go to our own kernel (kernels/cpu_linear.py): row-invariant by
-construction and faster than oneDNN at every row count measured (docs/ENGINE.md). Elsewhere, on CPUs with oneDNN the weight is packed once, at load, into oneDNN's blocked layout and applied
+On x86 CPUs with AVX2/FMA, float32 and bf16 weights go to our own kernel (kernels/cpu_linear.py):
+row-invariant by construction, faster than oneDNN at every row count measured (docs/ENGINE.md), float32
+activations in and out (``activation_dtype``). Elsewhere, on CPUs with oneDNN the weight is packed once, at load, into oneDNN's blocked layout and applied
 with its linear primitive (residual add fused). The plain route, ``torch.mm`` with a transposed
 weight, goes to MKL's sgemm, which on AMD EPYC re-packs the whole weight on every call when the
 batch has few rows: a decode step of 8-32 sequences ran 3-5x slower per GEMM than oneDNN with the
@@ -62,15 +63,25 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def activation_dtype(weight_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The dtype a projection of ``weight_dtype`` weights takes and returns: float32 on our kernel's route
+    (bf16 weights too: bf16 storage, fp32 arithmetic), the weights' own dtype elsewhere."""
+    return torch.float32 if _row_invariant_route(weight_dtype, device) else weight_dtype
+
+
+def _row_invariant_route(weight_dtype: torch.dtype, device: str) -> bool:
+    return device == "cpu" and weight_dtype in cpu_linear.WEIGHT_DTYPES and cpu_linear.available()
+
+
 class Linear:
     """One projection; built from an ``[out_features, in_features]`` weight (checkpoint layout)."""
 
     __slots__ = ("bias", "packed", "row_invariant", "shape", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.bias = bias
         self.shape = (tuple(weight.shape), weight.dtype, bias is not None)
-        self.row_invariant = weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_linear.available()
+        self.row_invariant = _row_invariant_route(weight.dtype, weight.device.type)
+        self.bias = bias.float() if bias is not None and self.row_invariant else bias
         packed = None if self.row_invariant else _pack(weight)
         self.packed = packed is not None
         if self.row_invariant:

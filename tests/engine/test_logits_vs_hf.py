@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pdd.engine import Engine, SamplingParams
-from pdd.engine.cpu_features import bf16_support
 from pdd.kernels import build_attention_metadata
 
 from .conftest import make_engine, run_all
@@ -70,11 +69,11 @@ def test_mixed_batch_chunked_and_prefix_hits(arch, tiny_paths, hf_models):
 
 
 # ---- SmolLM2-135M (the default model) on 1-2K-token prompts, against transformers on the same GGUF ----
-SMOL_FP32_TOL = 1e-3  # max abs logit diff; measured <= 1.3e-4 prefill, <= 1.1e-4 decode (1K, 2K)
+SMOL_FP32_TOL = 1e-3  # max abs logit diff; measured <= 1.8e-4 prefill, <= 9.5e-5 decode (1K, 2K)
 SMOL_BF16_MIN_TOP1 = 0.99  # engine in bf16 vs transformers in fp32: argmax agreement over all positions
-# (the issue's goal; measured 0.9775 on the 1K prompt, where transformers' own bf16 reaches 0.9746: fails)
+# (the issue's goal). Measured 0.9961 / 0.9955 (1K / 2K) with bf16 weights and KV and fp32 activations (our
+# kernel); 0.9775 on the 1K prompt with bf16 activations, where transformers' own bf16 reaches 0.9746.
 SMOL_PROMPTS = {"1k": ("compound", 1024), "2k": ("specialnames", 2000)}  # pydoc_data topic, tokens
-_SLOW_BF16 = [] if bf16_support()[0] else [pytest.mark.slow]  # bf16 GEMMs are emulated without native bf16
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +133,8 @@ def test_smollm2_fp32_logits_match_transformers(smollm2_hf, name):
     assert prefill_diff <= SMOL_FP32_TOL and decode_diff <= SMOL_FP32_TOL
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_SLOW_BF16) for n in SMOL_PROMPTS])
+@pytest.mark.slow  # ~40 s each with the transformers reference; on CPUs without native bf16 or our kernel, minutes
+@pytest.mark.parametrize("name", list(SMOL_PROMPTS))
 def test_smollm2_bf16_top1_agrees_with_transformers_fp32(smollm2_hf, name):
     engine = Engine.from_model("default", dtype="bfloat16", kv_memory_bytes=128 << 20, enable_prefix_cache=False)
     ids = _smol_prompt(engine, name)
