@@ -77,7 +77,7 @@ def test_bf16_weights_give_the_bits_of_their_fp32_widening():
 
 
 def test_views_zero_rows_and_bad_inputs():
-    weight, bias, x, residual = _inputs(50, 40, rows=6)
+    weight, _, x, residual = _inputs(50, 40, rows=6)
     packed = cpu_linear.pack(weight)
     wide = torch.cat([x, x], dim=1)
     assert torch.equal(cpu_linear.linear(wide[:, :40], packed, 50), cpu_linear.linear(x, packed, 50))
