@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdd.kernels import native
+
+_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # pool dtype -> the C kernel's kv_bf16 flag
+
 
 @dataclass
 class PrefillSegment:
@@ -38,6 +42,17 @@ class PrefillSegment:
 
 
 @dataclass
+class ExactRows:
+    """The rows our C kernel attends (kernels/cpu_attention.c): decode tokens and extends of output tokens."""
+
+    rows: torch.Tensor  # [R] token index in the pass
+    tables: torch.Tensor  # block tables of the rows' sequences, concatenated
+    offsets: torch.Tensor  # [R] where row r's table starts in ``tables``
+    lens: torch.Tensor  # [R] context length of row r (its position + 1)
+    segments: frozenset[int]  # indices into ``AttentionMetadata.prefills`` whose rows are listed
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot (block*block_size+offset) per new token
     num_decode: int = 0
@@ -48,6 +63,7 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     # decode tokens and extends of output tokens accumulate in this dtype (paged_attention says why)
     decode_accum: torch.dtype = torch.float64
+    exact: ExactRows | None = None  # those rows, for the C kernel (float64 accumulation, kernel built)
 
 
 def build_attention_metadata(
@@ -71,6 +87,18 @@ def build_attention_metadata(
         slots.append(table[pos // block_size] * block_size + pos % block_size)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=len(decode_tables),
                              decode_accum=decode_accum)
+    exact = decode_accum == torch.float64 and native.lib() is not None
+    exact_rows: list[int] = []
+    exact_tables: list[int] = []
+    exact_offsets: list[int] = []
+    exact_lens: list[int] = []
+    exact_segments: set[int] = set()
+    if exact:
+        for i, (table, length) in enumerate(zip(decode_tables, decode_lens)):
+            exact_rows.append(i)
+            exact_offsets.append(len(exact_tables))
+            exact_tables.extend(table)
+            exact_lens.append(length)
     if decode_tables:
         max_blocks = max((n + block_size - 1) // block_size for n in decode_lens)
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in decode_tables]
@@ -99,9 +127,19 @@ def build_attention_metadata(
             mask = torch.arange(total)[None, :] <= positions[:, None]
             accum = torch.float32 if prompt_only and prompt_only[0] else decode_accum
             seg = PrefillSegment(token_start, num_new, ctx_start, blocks[:nblocks], mask, accum=accum)
+            if exact and accum == torch.float64:
+                exact_segments.add(len(meta.prefills))
+                offset = len(exact_tables)
+                exact_tables.extend(table[:nblocks])
+                exact_rows.extend(range(token_start, token_start + num_new))
+                exact_offsets.extend([offset] * num_new)
+                exact_lens.extend(range(ctx_start + 1, ctx_start + num_new + 1))
         meta.prefills.append(seg)
         token_start += num_new
     meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
+    if exact_rows:
+        meta.exact = ExactRows(*(torch.tensor(v, dtype=torch.long) for v in
+                                 (exact_rows, exact_tables, exact_offsets, exact_lens)), frozenset(exact_segments))
     return meta
 
 
@@ -142,6 +180,22 @@ def _decode_attention(
     return out.reshape(nd, hq, dim)
 
 
+def _exact_attention(
+    q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, exact: ExactRows,
+    scale: float,
+) -> None:
+    """The exact rows through our C kernel, straight from the pool, into their rows of ``out``."""
+    q = q.contiguous()
+    hq, dim = q.shape[1], q.shape[2]
+    status = native.lib().pdd_paged_attention(
+        q.data_ptr(), out.data_ptr(), hq, k_cache.shape[2], dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        _NATIVE_KV_DTYPES[k_cache.dtype], k_cache.shape[1], exact.rows.data_ptr(), exact.tables.data_ptr(),
+        exact.offsets.data_ptr(), exact.lens.data_ptr(), exact.rows.shape[0], scale, torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged attention kernel failed (status {status}: -1 no memory, -2 bad sizes)")
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,6 +217,10 @@ def paged_attention(
       batch, or in main decode's extend over the relay's tokens came out ~1e-7 apart in fp32 and flipped
       bf16 roundings of the residual stream (greedy tokens drifted after 20-150 outputs). In float64 those
       differences are ~1e-16 and vanish in the rounding to the model dtype: the rows are bit-identical.
+      Where our C kernel is built (kernels/cpu_attention.c) and q is fp32, these rows go to it instead:
+      float64 in one fixed order per row, read straight from the pool (no gather, no float64 copies of
+      K/V), so decode and extend give the same bits by construction, and a batch-32 step skips the
+      gather and conversions that cost it ~38 ms (docs/ENGINE.md).
     * a fresh prompt (no cached context) runs fp32 SDPA: every path prefills a prompt the same way, so
       nothing needs to agree with it but itself. So does an extend of prompt tokens only (a prefix-cache
       hit, a long prompt's later chunks): no decode ever recomputes them, and in float64 the masked SDPA
@@ -174,9 +232,14 @@ def paged_attention(
     group = hq // hkv
     nd = meta.num_decode
     out = torch.empty(num_tokens, hq, dim, dtype=q.dtype)
-    if nd:
+    exact = meta.exact if q.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV_DTYPES else None
+    if exact is not None:
+        _exact_attention(q, out, k_cache, v_cache, exact, scale)
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
-    for seg in meta.prefills:
+    for index, seg in enumerate(meta.prefills):
+        if exact is not None and index in exact.segments:
+            continue
         s, n = seg.token_start, seg.num_new
         if seg.ctx_start == 0:
             b = seg.num_seqs

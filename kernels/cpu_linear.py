@@ -1,4 +1,4 @@
-"""Binding of the row-invariant projection kernel (cpu_linear.c, built at install as ``_cpu_linear``).
+"""Binding of the row-invariant projection kernel (cpu_linear.c, built at install into ``_native``).
 
 Why our own kernel: batch-1 decode reads every weight once per token, and oneDNN's and MKL's GEMV
 streamed SmolLM2's 538 MB at under half the read bandwidth of two cores (docs/ENGINE.md), while the
@@ -7,56 +7,32 @@ not give. The C kernel accumulates each output over k in one fixed order, so it 
 construction, and reads weights packed in 24-column panels, fp32 or bf16 (widened exactly to fp32 in
 registers: bf16 weights halve the bytes a decode step reads on any AVX2 CPU, with fp32 arithmetic).
 
-Loaded with ctypes (the call releases the GIL); ``available()`` is False where the extension did not
-build (no C compiler at install, not x86-64) or the CPU lacks AVX2/FMA, and callers fall back to torch.
+``available()`` is False where the extension did not build or the CPU lacks AVX2/FMA (kernels/native.py);
+callers then fall back to torch.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.util
-from functools import cache
-
 import torch
 
-_EXTENSION = "pdd.kernels._cpu_linear"
-_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 + FMA (AVX512 implies both)
+from pdd.kernels import native
+
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@cache
-def _library() -> ctypes.CDLL | None:
-    if torch.backends.cpu.get_cpu_capability() not in _CPU_CAPABILITIES:
-        return None
-    spec = importlib.util.find_spec(_EXTENSION)
-    if spec is None or spec.origin is None:
-        return None
-    lib = ctypes.CDLL(spec.origin)
-    lib.pdd_linear.restype = ctypes.c_int
-    lib.pdd_linear.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-    ]
-    lib.pdd_linear_panel_width.restype = ctypes.c_int
-    return lib
 
 
 def available() -> bool:
     """The kernel is built and this CPU runs it."""
-    return _library() is not None
+    return native.lib() is not None
 
 
 def unavailable_reason() -> str:
     """Why ``available()`` is False, for the startup log."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in _CPU_CAPABILITIES:
-        return f"CPU capability {capability} has no AVX2/FMA"
-    return f"extension {_EXTENSION} was not built at install (needs a C compiler with OpenMP on x86-64)"
+    return native.unavailable_reason()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] checkpoint weight -> panels [ceil(out / W), in, W] (W columns each, zero-padded)."""
-    lib = _library()
+    lib = native.lib()
     if lib is None:
         raise RuntimeError(f"row-invariant kernel unavailable: {unavailable_reason()}")
     if weight.dtype not in WEIGHT_DTYPES:
@@ -77,7 +53,7 @@ def linear(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``residual + (x @ W^T + bias)`` in float32 for a ``pack``-ed W; x [rows, in] float32."""
-    lib = _library()
+    lib = native.lib()
     assert lib is not None, "pack() refuses weights when the kernel is unavailable"
     x = x.contiguous()
     rows, in_features = x.shape

@@ -1,0 +1,114 @@
+/* Exact-path paged attention for x86-64 CPUs with AVX2 and FMA (see kernels/attention.py).
+ *
+ * For each listed row r (a query token: a decode token, or a known output token an extend recomputes),
+ * every query head h attends over positions 0 .. lens[r]-1 of its sequence, read straight from the paged
+ * pool through the sequence's block table (no gather, no dtype copy):
+ *
+ *   s_j = scale * sum_d q[h, d] * k[j, d]        e_j = exp(s_j - max_j s_j)
+ *   out[h, d] = (sum_j e_j * v[j, d]) / (sum_j e_j)
+ *
+ * in float64, each sum in one fixed order, rounded to float32 once at the end. A row's result depends only
+ * on its query and its context: not on which rows share the call or the thread count. So a token decoded
+ * one step at a time and the same token recomputed inside an extend (main decode after a handoff) give the
+ * same bits, which is what makes the handoff exact (docs/ENGINE.md, batch invariance).
+ *
+ * Pool layout per layer: [num_blocks, block_size, kv_heads, head_dim], float32 or bf16 (kv_bf16).
+ * Threads (OpenMP) take (row, kv head) pairs; the query heads of one kv head (GQA) share its K/V reads.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline __attribute__((always_inline)) __m256d load4(const void *base, int64_t i, int bf16) {
+  if (bf16) {
+    uint64_t raw;
+    memcpy(&raw, (const uint16_t *)base + i, 8);
+    __m128i w = _mm_cvtepu16_epi32(_mm_cvtsi64_si128((long long)raw));
+    return _mm256_cvtps_pd(_mm_castsi128_ps(_mm_slli_epi32(w, 16)));
+  }
+  return _mm256_cvtps_pd(_mm_loadu_ps((const float *)base + i));
+}
+
+static inline double hsum4(__m256d v) {
+  __m128d s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)));
+}
+
+static inline double scalar_at(const void *base, int64_t i, int bf16) {
+  if (bf16) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)((const uint16_t *)base)[i] << 16;
+    return c.f;
+  }
+  return ((const float *)base)[i];
+}
+
+#define MAX_GROUP 64 /* query heads per kv head this kernel takes (callers check) */
+
+/* One (row, kv head): `group` query heads, context `len`. q_row is the row's [hq, d] query (float32),
+ * qd/scores/acc are this thread's scratch (group*d, group*len, d doubles). */
+static void attend(const float *q_row, float *out_row, int64_t g, int64_t group, int64_t d, int64_t hkv,
+                   const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int64_t *table,
+                   int64_t len, double scale, double *qd, double *scores, double *acc) {
+  for (int64_t i = 0; i < group; i++)
+    for (int64_t t = 0; t < d; t++) qd[i * d + t] = q_row[(g * group + i) * d + t];
+  int64_t d4 = d & ~(int64_t)3;
+  for (int64_t j = 0; j < len; j++) {
+    int64_t base = ((table[j / block_size] * block_size + j % block_size) * hkv + g) * d;
+    for (int64_t i = 0; i < group; i++) {
+      __m256d a = _mm256_setzero_pd();
+      for (int64_t t = 0; t < d4; t += 4) a = _mm256_fmadd_pd(_mm256_loadu_pd(qd + i * d + t), load4(k_cache, base + t, bf16), a);
+      double s = hsum4(a);
+      for (int64_t t = d4; t < d; t++) s += qd[i * d + t] * scalar_at(k_cache, base + t, bf16);
+      scores[i * len + j] = s * scale;
+    }
+  }
+  for (int64_t i = 0; i < group; i++) {
+    double *sc = scores + i * len, m = sc[0], total = 0.0;
+    for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
+    for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
+    for (int64_t t = 0; t < d; t++) acc[t] = 0.0;
+    for (int64_t j = 0; j < len; j++) {
+      int64_t base = ((table[j / block_size] * block_size + j % block_size) * hkv + g) * d;
+      __m256d p = _mm256_set1_pd(sc[j]);
+      for (int64_t t = 0; t < d4; t += 4)
+        _mm256_storeu_pd(acc + t, _mm256_fmadd_pd(p, load4(v_cache, base + t, bf16), _mm256_loadu_pd(acc + t)));
+      for (int64_t t = d4; t < d; t++) acc[t] += sc[j] * scalar_at(v_cache, base + t, bf16);
+    }
+    float *o = out_row + (g * group + i) * d;
+    for (int64_t t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
+  }
+}
+
+/* q, out: [tokens, hq, d] float32; rows[r]: the token index of row r; tables + table_offsets[r]: its block
+ * table; lens[r]: its context length (>= 1). Returns 0, -1 if scratch could not be allocated, -2 on
+ * bad sizes. */
+int pdd_paged_attention(const float *q, float *out, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
+                        const void *v_cache, int kv_bf16, int64_t block_size, const int64_t *rows,
+                        const int64_t *tables, const int64_t *table_offsets, const int64_t *lens, int64_t nrows,
+                        double scale, int threads) {
+  if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || block_size <= 0) return -2;
+  int64_t group = hq / hkv, max_len = 1;
+  for (int64_t r = 0; r < nrows; r++) {
+    if (lens[r] < 1) return -2;
+    if (lens[r] > max_len) max_len = lens[r];
+  }
+  int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+  {
+    double *scratch = malloc(sizeof(double) * (group * d + group * max_len + d));
+    if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < nrows * hkv; w++) {
+      if (!scratch) continue;
+      int64_t r = w / hkv, g = w % hkv, tok = rows[r];
+      attend(q + tok * hq * d, out + tok * hq * d, g, group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
+             tables + table_offsets[r], lens[r], scale, scratch, scratch + group * d,
+             scratch + group * d + group * max_len);
+    }
+    free(scratch);
+  }
+  return failed ? -1 : 0;
+}

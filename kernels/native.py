@@ -1,0 +1,46 @@
+"""The C kernels built at install (``pdd.kernels._native`` from cpu_linear.c and cpu_attention.c), loaded
+with ctypes (a call releases the GIL). ``lib()`` is None where the extension did not build (no C compiler
+with OpenMP at install, not x86-64) or the CPU lacks AVX2/FMA; callers then run their torch routes."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from functools import cache
+
+import torch
+
+EXTENSION = "pdd.kernels._native"
+_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 + FMA (AVX512 implies both)
+
+_P, _I64, _INT, _DBL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_SIGNATURES = {
+    # x, rows, in, w, w_bf16, out_features, bias, residual, out, threads
+    "pdd_linear": (_INT, [_P, _I64, _I64, _P, _INT, _I64, _P, _P, _P, _INT]),
+    "pdd_linear_panel_width": (_INT, []),
+    # q, out, hq, hkv, d, k_cache, v_cache, kv_bf16, block_size, rows, tables, table_offsets, lens, nrows,
+    # scale, threads
+    "pdd_paged_attention": (_INT, [_P, _P, _I64, _I64, _I64, _P, _P, _INT, _I64, _P, _P, _P, _P, _I64, _DBL, _INT]),
+}
+
+
+@cache
+def lib() -> ctypes.CDLL | None:
+    if torch.backends.cpu.get_cpu_capability() not in _CPU_CAPABILITIES:
+        return None
+    spec = importlib.util.find_spec(EXTENSION)
+    if spec is None or spec.origin is None:
+        return None
+    library = ctypes.CDLL(spec.origin)
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return library
+
+
+def unavailable_reason() -> str:
+    """Why ``lib()`` is None, for logs and test skips."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _CPU_CAPABILITIES:
+        return f"CPU capability {capability} has no AVX2/FMA"
+    return f"extension {EXTENSION} was not built at install (needs a C compiler with OpenMP on x86-64)"
