@@ -16,11 +16,13 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #define PANEL 24
 #define MR 4
 #define UNPACK_ROWS 8 /* from this many rows a bf16 panel is widened once to fp32, then reused per tile */
+#define ROW_BLOCK 128 /* rows of x one pass over a thread's panels takes (a multiple of MR: same tiles) */
 
 static inline __attribute__((always_inline)) void load_f32(const float *p, __m256 *w0, __m256 *w1, __m256 *w2) {
   *w0 = _mm256_loadu_ps(p);
@@ -103,28 +105,35 @@ DEFINE_PANEL(panel_bf16, uint16_t, tile_bf16)
 int pdd_linear_panel_width(void) { return PANEL; }
 
 /* x [M, K] fp32, w packed (see above; bf16 when w_bf16), bias [N] or NULL, res [M, N] or NULL, out [M, N].
- * Returns 0, or -1 when the bf16 widening buffer could not be allocated. */
+ * Each thread takes a contiguous range of panels and walks the rows in blocks of ROW_BLOCK, so a block of
+ * x stays in L2 while the thread's panels stream past it (one pass over x per panel spilled to L3 at
+ * thousands of rows). Returns 0, or -1 when the bf16 widening buffer could not be allocated. */
 int pdd_linear(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, int64_t N, const float *bias,
                const float *res, float *out, int threads) {
   int64_t panels = (N + PANEL - 1) / PANEL;
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
+    int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+    int64_t p0 = panels * me / team, p1 = panels * (me + 1) / team;
     float *wide = 0; /* this thread's fp32 copy of a bf16 panel, for many-row inputs */
     if (w_bf16 && M >= UNPACK_ROWS && !(wide = malloc(sizeof(float) * K * PANEL))) failed = 1;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-      if (failed) continue;
-      int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-      if (!w_bf16) {
-        panel_f32(x, M, K, (const float *)w + p * K * PANEL, N, n0, cols, bias, res, out);
-      } else if (wide) {
-        const uint16_t *src = (const uint16_t *)w + p * K * PANEL;
-        for (int64_t i = 0; i + 8 <= K * PANEL; i += 8)
-          _mm256_storeu_ps(wide + i, widen_bf16(_mm_loadu_si128((const __m128i *)(src + i))));
-        panel_f32(x, M, K, wide, N, n0, cols, bias, res, out);
-      } else {
-        panel_bf16(x, M, K, (const uint16_t *)w + p * K * PANEL, N, n0, cols, bias, res, out);
+    for (int64_t m0 = 0; m0 < M && !failed; m0 += ROW_BLOCK) {
+      int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+      const float *xb = x + m0 * K, *rb = res ? res + m0 * N : 0;
+      float *ob = out + m0 * N;
+      for (int64_t p = p0; p < p1; p++) {
+        int64_t n0 = p * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
+        if (!w_bf16) {
+          panel_f32(xb, rows, K, (const float *)w + p * K * PANEL, N, n0, cols, bias, rb, ob);
+        } else if (wide) {
+          const uint16_t *src = (const uint16_t *)w + p * K * PANEL;
+          for (int64_t i = 0; i + 8 <= K * PANEL; i += 8)
+            _mm256_storeu_ps(wide + i, widen_bf16(_mm_loadu_si128((const __m128i *)(src + i))));
+          panel_f32(xb, rows, K, wide, N, n0, cols, bias, rb, ob);
+        } else {
+          panel_bf16(xb, rows, K, (const uint16_t *)w + p * K * PANEL, N, n0, cols, bias, rb, ob);
+        }
       }
     }
     free(wide);
