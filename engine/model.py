@@ -4,8 +4,9 @@ One class covers the family; the differences are flags in ModelConfig (qkv bias,
 tied embeddings). Weights are repacked at load time: q/k/v into one matrix and gate/up into
 one, so a layer is four GEMMs plus attention (fewer kernel launches, better GEMM shapes).
 
-Projections are `pdd.kernels.Linear`: our row-invariant kernel on AVX2 CPUs (float32 weights),
-oneDNN-packed weights elsewhere on CPU where available, else a transposed weight for ``torch.mm``. The o and down projections fuse the residual add into the GEMM.
+Projections are `pdd.kernels.Linear`: our row-invariant kernel on AVX2 CPUs (fp32 or bf16 weights, fp32
+activations), oneDNN-packed weights elsewhere on CPU where available, else a transposed weight for
+``torch.mm``. The o and down projections fuse the residual add into the GEMM.
 """
 
 from __future__ import annotations

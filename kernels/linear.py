@@ -2,12 +2,12 @@
 
 On x86 CPUs with AVX2/FMA, float32 and bf16 weights go to our own kernel (kernels/cpu_linear.py):
 row-invariant by construction, faster than oneDNN at every row count measured (docs/ENGINE.md), float32
-activations in and out (``activation_dtype``). Elsewhere, on CPUs with oneDNN the weight is packed once, at load, into oneDNN's blocked layout and applied
-with its linear primitive (residual add fused). The plain route, ``torch.mm`` with a transposed
-weight, goes to MKL's sgemm, which on AMD EPYC re-packs the whole weight on every call when the
-batch has few rows: a decode step of 8-32 sequences ran 3-5x slower per GEMM than oneDNN with the
-packed weight (1 row: on par; 4,096-row prefill: 1.2-1.4x). Where packing is not available (GPU,
-bf16 on CPUs without AVX512-BF16/AVX-NE-CONVERT, builds without oneDNN) or disagrees with the plain
+activations in and out (``activation_dtype``). Elsewhere, on CPUs with oneDNN the weight is packed once, at
+load, into oneDNN's blocked layout and applied with its linear primitive (residual add fused). The plain
+route, ``torch.mm`` with a transposed weight, goes to MKL's sgemm, which on AMD EPYC re-packs the whole weight
+on every call when the batch has few rows: a decode step of 8-32 sequences ran 3-5x slower per GEMM than
+oneDNN with the packed weight (1 row: on par; 4,096-row prefill: 1.2-1.4x). Where packing is not available
+(GPU, bf16 on CPUs without AVX512-BF16/AVX-NE-CONVERT, builds without oneDNN) or disagrees with the plain
 route on a probe input, the weight stays ``[in, out]`` contiguous for ``torch.mm``/``addmm``.
 
 Row buckets (packed route): oneDNN JIT-compiles one primitive per input shape, about 0.5 MiB each
