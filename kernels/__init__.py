@@ -1,7 +1,6 @@
-"""Model-math kernels for the engine: torch reference implementations (CPU and any device).
-
-Optional accelerated paths (Triton) may be added behind the same function names; the torch
-versions are the reference the tests compare against and are always available.
+"""Model-math kernels for the engine: torch implementations (CPU and any device), and our C kernels
+(``native``: row-invariant projections, exact-path paged attention) behind the same functions where they
+built. The torch routes stay the reference the tests compare against and are always available.
 """
 
 from pdd.kernels.attention import (

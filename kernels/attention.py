@@ -1,4 +1,4 @@
-"""Paged attention over a block-organised KV pool (torch reference).
+"""Paged attention over a block-organised KV pool (torch, and our C kernel for the exact rows).
 
 The pool of one layer is ``k_cache``/``v_cache`` of [num_blocks, block_size, kv_heads, head_dim].
 A forward pass carries a flat token batch: first the decode tokens (one per sequence), then the
@@ -11,6 +11,9 @@ pass and shared by every layer, so per-layer work is only tensor ops:
 * prefill/extend: per segment, causal attention of the new tokens over the cached prefix plus
   themselves (a fresh prompt attends its own K/V directly, no gather). Consecutive fresh prompts
   of equal length are merged into one segment and run as one batched causal SDPA.
+
+Where kernels/cpu_attention.c is built, the decode tokens and the extends of output tokens (the rows
+that must agree bit for bit, ``paged_attention`` says why) go to it instead, read straight from the pool.
 """
 
 from __future__ import annotations
