@@ -13,6 +13,7 @@ from nats.errors import Error as NatsError
 
 from pdd.engine import SamplingParams
 from pdd.engine.cpu_features import resolve_dtypes
+from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from pdd.services.engine_runner import EngineRunner
 from pdd.shared import metrics
 from pdd.shared.bus import Bus, Envelope
@@ -136,7 +137,7 @@ class EngineService(Service):
                 kv_memory_bytes=m.kv_memory_mb * 1024 * 1024, block_size=m.block_size, max_num_seqs=m.max_num_seqs,
                 max_prefill_tokens=m.max_prefill_tokens, cache_finished=self.cache_finished,
                 enable_prefix_cache=m.enable_prefix_cache, batch_invariant=m.batch_invariant,
-                **({"prefill_chunk_tokens": m.prefill_chunk_tokens} if m.prefill_chunk_tokens else {}),
+                prefill_chunk_tokens=m.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
             )
             choice = self.engine.dtype_choice
             log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
