@@ -14,17 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pdd.engine.config import ModelConfig
 from pdd.kernels import (
     AttentionMetadata,
+    DecoderLayers,
     Linear,
     RotaryEmbedding,
     activation_dtype,
-    apply_rotary,
+    apply_rotary_,
     paged_attention,
     rms_norm,
+    silu_mul,
 )
 
 
@@ -88,6 +89,11 @@ class CausalLM:
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, act
         )
         self.scale = config.head_dim ** -0.5
+        # decode steps through every layer in one C call where all projections run our kernel (kernels/decoder.py)
+        self.decoder_layers = DecoderLayers.build(
+            self.layers, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size, eps=config.rms_norm_eps, scale=self.scale,
+        )
 
     @property
     def linear_kernel(self) -> str:
@@ -105,30 +111,35 @@ class CausalLM:
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids/positions [T]; returns float32 logits [len(logits_rows), vocab]."""
-        cfg = self.config
-        hq, hkv, dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
-        inter = cfg.intermediate_size
         num_tokens = input_ids.shape[0]
         cos, sin = self.rotary.lookup(positions)
         hidden = self.embed.index_select(0, input_ids).to(self.activation_dtype)
+        if self.decoder_layers is not None and self.decoder_layers.takes(meta, num_tokens, k_caches):
+            self.decoder_layers.run(hidden, cos, sin, meta, k_caches, v_caches)  # in place, same kernels from C
+        else:
+            hidden = self._layers(hidden, cos, sin, meta, k_caches, v_caches)
+        if logits_rows.shape[0] != num_tokens:
+            hidden = hidden.index_select(0, logits_rows)
+        hidden = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(hidden).float()
+
+    def _layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The residual stream through every layer, one kernel call per op."""
+        cfg = self.config
+        hq, hkv, dim, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        num_tokens = hidden.shape[0]
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             x = rms_norm(hidden, layer.input_norm, eps)
             qkv = layer.qkv(x).view(num_tokens, hq + 2 * hkv, dim)
             v = qkv[:, hq + hkv :]
             if layer.q_norm is not None:
-                q = apply_rotary(rms_norm(qkv[:, :hq], layer.q_norm, eps), cos, sin)
-                k = apply_rotary(rms_norm(qkv[:, hq : hq + hkv], layer.k_norm, eps), cos, sin)
+                q = apply_rotary_(rms_norm(qkv[:, :hq], layer.q_norm, eps), cos, sin)
+                k = apply_rotary_(rms_norm(qkv[:, hq : hq + hkv], layer.k_norm, eps), cos, sin)
             else:
-                qk = apply_rotary(qkv[:, : hq + hkv], cos, sin)
-                q, k = qk[:, :hq], qk[:, hq:]
+                q, k = apply_rotary_(qkv[:, :hq], cos, sin), apply_rotary_(qkv[:, hq : hq + hkv], cos, sin)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             hidden = layer.o.add_to(hidden, attn)
             x = rms_norm(hidden, layer.post_norm, eps)
-            gate_up = layer.gate_up(x)
-            act = F.silu(gate_up[:, :inter])
-            act.mul_(gate_up[:, inter:])
-            hidden = layer.down.add_to(hidden, act)
-        if logits_rows.shape[0] != num_tokens:
-            hidden = hidden.index_select(0, logits_rows)
-        hidden = rms_norm(hidden, self.final_norm, eps)
-        return self.lm_head(hidden).float()
+            hidden = layer.down.add_to(hidden, silu_mul(layer.gate_up(x)))
+        return hidden

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from pdd.kernels import native
 
-_NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # pool dtype -> the C kernel's kv_bf16 flag
+NATIVE_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # pool dtype -> the C kernel's kv_bf16 flag
 
 
 @dataclass
@@ -149,10 +149,27 @@ def build_attention_metadata(
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> None:
-    """Store new K/V rows [T, kv_heads, head_dim] into their pool slots."""
+    """Store new K/V rows [T, kv_heads, head_dim] into their pool slots (rows may be strided views)."""
     heads, dim = k_cache.shape[2], k_cache.shape[3]
+    lib = native.lib()
+    if (lib is not None and k_cache.dtype in NATIVE_KV_DTYPES and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and slot_mapping.dtype == torch.long and k.shape[0] == v.shape[0] == slot_mapping.shape[0]
+            and all(_native_rows(t, heads, dim) for t in (k, v))):
+        slots = slot_mapping.contiguous()
+        for src, pool in ((k, k_cache), (v, v_cache)):
+            status = lib.pdd_store_rows(src.data_ptr(), src.stride(0), src.shape[0], heads * dim, slots.data_ptr(),
+                                        pool.data_ptr(), pool.shape[0] * pool.shape[1], NATIVE_KV_DTYPES[pool.dtype])
+            if status != 0:
+                raise IndexError(f"KV slot outside the pool of {pool.shape[0] * pool.shape[1]} slots")
+        return
     k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _native_rows(t: torch.Tensor, heads: int, dim: int) -> bool:
+    """float32 CPU rows of [heads, dim] contiguous vectors, the rows themselves at any stride."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.shape[1:] == (heads, dim) and t.stride(2) == 1
+            and t.stride(1) == dim)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -188,11 +205,12 @@ def _exact_attention(
     scale: float,
 ) -> None:
     """The exact rows through our C kernel, straight from the pool, into their rows of ``out``."""
-    q = q.contiguous()
     hq, dim = q.shape[1], q.shape[2]
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
     status = native.lib().pdd_paged_attention(
-        q.data_ptr(), out.data_ptr(), hq, k_cache.shape[2], dim, k_cache.data_ptr(), v_cache.data_ptr(),
-        _NATIVE_KV_DTYPES[k_cache.dtype], k_cache.shape[1], exact.rows.data_ptr(), exact.tables.data_ptr(),
+        q.data_ptr(), q.stride(0), out.data_ptr(), hq, k_cache.shape[2], dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        NATIVE_KV_DTYPES[k_cache.dtype], k_cache.shape[1], exact.rows.data_ptr(), exact.tables.data_ptr(),
         exact.offsets.data_ptr(), exact.lens.data_ptr(), exact.rows.shape[0], scale, torch.get_num_threads(),
     )
     if status != 0:
@@ -235,7 +253,7 @@ def paged_attention(
     group = hq // hkv
     nd = meta.num_decode
     out = torch.empty(num_tokens, hq, dim, dtype=q.dtype)
-    exact = meta.exact if q.dtype == torch.float32 and k_cache.dtype in _NATIVE_KV_DTYPES else None
+    exact = meta.exact if q.dtype == torch.float32 and k_cache.dtype in NATIVE_KV_DTYPES else None
     if exact is not None:
         _exact_attention(q, out, k_cache, v_cache, exact, scale)
     elif nd:

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 static inline __attribute__((always_inline)) __m256d load4(const void *base, int64_t i, int bf16) {
   if (bf16) {
     uint64_t raw;
@@ -82,11 +84,12 @@ static void attend(const float *q_row, float *out_row, int64_t g, int64_t group,
   }
 }
 
-/* q, out: [tokens, hq, d] float32; rows[r]: the token index of row r; tables + table_offsets[r]: its block
+/* q: [tokens, hq, d] float32 at row stride q_stride (floats: a view into a fused qkv output needs no copy),
+ * out: [tokens, hq, d] contiguous; rows[r]: the token index of row r; tables + table_offsets[r]: its block
  * table; lens[r]: its context length (>= 1). Returns 0, -1 if scratch could not be allocated, -2 on
  * bad sizes. */
-int pdd_paged_attention(const float *q, float *out, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
-                        const void *v_cache, int kv_bf16, int64_t block_size, const int64_t *rows,
+int pdd_paged_attention(const float *q, int64_t q_stride, float *out, int64_t hq, int64_t hkv, int64_t d,
+                        const void *k_cache, const void *v_cache, int kv_bf16, int64_t block_size, const int64_t *rows,
                         const int64_t *tables, const int64_t *table_offsets, const int64_t *lens, int64_t nrows,
                         double scale, int threads) {
   if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || block_size <= 0) return -2;
@@ -104,7 +107,7 @@ int pdd_paged_attention(const float *q, float *out, int64_t hq, int64_t hkv, int
     for (int64_t w = 0; w < nrows * hkv; w++) {
       if (!scratch) continue;
       int64_t r = w / hkv, g = w % hkv, tok = rows[r];
-      attend(q + tok * hq * d, out + tok * hq * d, g, group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
+      attend(q + tok * q_stride, out + tok * hq * d, g, group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
              tables + table_offsets[r], lens[r], scale, scratch, scratch + group * d,
              scratch + group * d + group * max_len);
     }

@@ -19,6 +19,8 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "native.h"
+
 #define PANEL 24
 #define MR 4
 #define UNPACK_ROWS 8 /* from this many rows a bf16 panel is widened once to fp32, then reused per tile */

@@ -1,4 +1,5 @@
-"""The C kernels built at install (``pdd.kernels._native`` from cpu_linear.c and cpu_attention.c), loaded
+"""The C kernels built at install (``pdd.kernels._native`` from cpu_linear.c, cpu_attention.c,
+cpu_pointwise.c and cpu_decoder.c; native.h declares them), loaded
 with ctypes (a call releases the GIL). ``lib()`` is None where the extension did not build (no C compiler
 with OpenMP at install, not x86-64) or the CPU lacks AVX2/FMA; callers then run their torch routes."""
 
@@ -13,14 +14,26 @@ import torch
 EXTENSION = "pdd.kernels._native"
 _CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 + FMA (AVX512 implies both)
 
-_P, _I64, _INT, _DBL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+_P, _I64, _INT, _DBL, _FLT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_float
 _SIGNATURES = {
     # x, rows, in, w, w_bf16, out_features, bias, residual, out, threads
     "pdd_linear": (_INT, [_P, _I64, _I64, _P, _INT, _I64, _P, _P, _P, _INT]),
     "pdd_linear_panel_width": (_INT, []),
-    # q, out, hq, hkv, d, k_cache, v_cache, kv_bf16, block_size, rows, tables, table_offsets, lens, nrows,
-    # scale, threads
-    "pdd_paged_attention": (_INT, [_P, _P, _I64, _I64, _I64, _P, _P, _INT, _I64, _P, _P, _P, _P, _I64, _DBL, _INT]),
+    # q, q_stride, out, hq, hkv, d, k_cache, v_cache, kv_bf16, block_size, rows, tables, table_offsets, lens,
+    # nrows, scale, threads
+    "pdd_paged_attention": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _I64, _P, _P, _P, _P, _I64, _DBL,
+                                   _INT]),
+    # x, x_stride, rows, groups, dim, w, eps, out, out_stride
+    "pdd_rms_norm": (None, [_P, _I64, _I64, _I64, _I64, _P, _FLT, _P, _I64]),
+    # x, x_stride, rows, heads, dim, cos_rows, sin_rows
+    "pdd_rope": (None, [_P, _I64, _I64, _I64, _I64, _P, _P]),
+    # gate_up, rows, inter, out
+    "pdd_silu_mul": (None, [_P, _I64, _I64, _P]),
+    # src, src_stride, rows, width, slots, pool, num_slots, pool_bf16
+    "pdd_store_rows": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _INT]),
+    # dims, layers, nlayers, k_pools, v_pools, hidden, rows, cos, sin, slots, att_rows, tables, offsets, lens,
+    # work, threads
+    "pdd_decoder_layers": (_INT, [_P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _INT]),
 }
 
 

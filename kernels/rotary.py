@@ -1,7 +1,9 @@
 """Rotary position embedding (the Hugging Face "rotate half" layout), with llama3/linear scaling.
 
 cos/sin tables are precomputed once for every position up to the context length; a forward
-pass gathers the rows for its positions once and every layer reuses them.
+pass gathers the rows for its positions once and every layer reuses them. The rotation is in place: our C
+kernel (kernels/cpu_pointwise.c) rotates float32 rows where they are, views into the fused qkv output
+included; the torch route is the reference and the fallback.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from pdd.kernels import native
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -54,14 +58,17 @@ class RotaryEmbedding:
         self.sin = emb.sin().to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the given positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        """cos, sin for the given positions, shaped [T, 1, head_dim] to broadcast over heads (contiguous)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] by the per-token angles (rotate-half layout)."""
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, head_dim] in place by the per-token angles (rotate-half layout); returns x."""
+    lib = native.lib()
+    if (lib is not None and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.device.type == "cpu"
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and cos.is_contiguous() and sin.is_contiguous()):
+        lib.pdd_rope(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], x.shape[2], cos.data_ptr(), sin.data_ptr())
+        return x
     half = x.shape[-1] // 2
-    x1 = x[..., :half]
-    x2 = x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x.copy_(x * cos + rotated * sin)
