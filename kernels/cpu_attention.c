@@ -49,6 +49,61 @@ static inline double scalar_at(const void *base, int64_t i, int bf16) {
 
 #define MAX_GROUP 64 /* query heads per kv head this kernel takes (callers check) */
 
+/* k row j of kv head g, through the block table. */
+static inline int64_t kv_offset(const int64_t *table, int64_t j, int64_t block_size, int64_t hkv, int64_t g,
+                                int64_t d) {
+  return ((table[j / block_size] * block_size + j % block_size) * hkv + g) * d;
+}
+
+/* scores[j] = scale * (q . k_j), each dot product in 4 lanes over d (lane t % 4), summed by hsum4, then the
+ * tail. Four positions at a time only to overlap their FMA chains: each score's arithmetic is the same. */
+static void score_row(const double *qi, double *sc, int64_t d, int64_t hkv, int64_t g, const void *k_cache, int bf16,
+                      int64_t block_size, const int64_t *table, int64_t len, double scale) {
+  int64_t d4 = d & ~(int64_t)3, j = 0;
+  for (; j + 4 <= len; j += 4) {
+    int64_t b0 = kv_offset(table, j, block_size, hkv, g, d), b1 = kv_offset(table, j + 1, block_size, hkv, g, d);
+    int64_t b2 = kv_offset(table, j + 2, block_size, hkv, g, d), b3 = kv_offset(table, j + 3, block_size, hkv, g, d);
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t t = 0; t < d4; t += 4) {
+      __m256d qv = _mm256_loadu_pd(qi + t);
+      a0 = _mm256_fmadd_pd(qv, load4(k_cache, b0 + t, bf16), a0);
+      a1 = _mm256_fmadd_pd(qv, load4(k_cache, b1 + t, bf16), a1);
+      a2 = _mm256_fmadd_pd(qv, load4(k_cache, b2 + t, bf16), a2);
+      a3 = _mm256_fmadd_pd(qv, load4(k_cache, b3 + t, bf16), a3);
+    }
+    double s[4] = {hsum4(a0), hsum4(a1), hsum4(a2), hsum4(a3)};
+    int64_t base[4] = {b0, b1, b2, b3};
+    for (int c = 0; c < 4; c++) {
+      for (int64_t t = d4; t < d; t++) s[c] += qi[t] * scalar_at(k_cache, base[c] + t, bf16);
+      sc[j + c] = s[c] * scale;
+    }
+  }
+  for (; j < len; j++) {
+    int64_t base = kv_offset(table, j, block_size, hkv, g, d);
+    __m256d a = _mm256_setzero_pd();
+    for (int64_t t = 0; t < d4; t += 4) a = _mm256_fmadd_pd(_mm256_loadu_pd(qi + t), load4(k_cache, base + t, bf16), a);
+    double s = hsum4(a);
+    for (int64_t t = d4; t < d; t++) s += qi[t] * scalar_at(k_cache, base + t, bf16);
+    sc[j] = s * scale;
+  }
+}
+
+/* acc[t] = sum_j p[j] * v_j[t] for t in [t0, t0 + 4 * NV), j in order: NV accumulators in registers. */
+#define DEFINE_PV(NAME, NV)                                                                                       \
+  static inline void NAME(const double *p, double *acc, int64_t t0, int64_t d, int64_t hkv, int64_t g,           \
+                          const void *v_cache, int bf16, int64_t block_size, const int64_t *table, int64_t len) { \
+    __m256d a[NV];                                                                                                \
+    for (int c = 0; c < NV; c++) a[c] = _mm256_setzero_pd();                                                      \
+    for (int64_t j = 0; j < len; j++) {                                                                           \
+      int64_t base = kv_offset(table, j, block_size, hkv, g, d) + t0;                                             \
+      __m256d pj = _mm256_set1_pd(p[j]);                                                                          \
+      for (int c = 0; c < NV; c++) a[c] = _mm256_fmadd_pd(pj, load4(v_cache, base + 4 * c, bf16), a[c]);          \
+    }                                                                                                             \
+    for (int c = 0; c < NV; c++) _mm256_storeu_pd(acc + t0 + 4 * c, a[c]);                                       \
+  }
+DEFINE_PV(pv8, 8)
+DEFINE_PV(pv1, 1)
+
 /* One (row, kv head): `group` query heads, context `len`. q_row is the row's [hq, d] query (float32),
  * qd/scores/acc are this thread's scratch (group*d, group*len, d doubles). */
 static void attend(const float *q_row, float *out_row, int64_t g, int64_t group, int64_t d, int64_t hkv,
@@ -57,30 +112,22 @@ static void attend(const float *q_row, float *out_row, int64_t g, int64_t group,
   for (int64_t i = 0; i < group; i++)
     for (int64_t t = 0; t < d; t++) qd[i * d + t] = q_row[(g * group + i) * d + t];
   int64_t d4 = d & ~(int64_t)3;
-  for (int64_t j = 0; j < len; j++) {
-    int64_t base = ((table[j / block_size] * block_size + j % block_size) * hkv + g) * d;
-    for (int64_t i = 0; i < group; i++) {
-      __m256d a = _mm256_setzero_pd();
-      for (int64_t t = 0; t < d4; t += 4) a = _mm256_fmadd_pd(_mm256_loadu_pd(qd + i * d + t), load4(k_cache, base + t, bf16), a);
-      double s = hsum4(a);
-      for (int64_t t = d4; t < d; t++) s += qd[i * d + t] * scalar_at(k_cache, base + t, bf16);
-      scores[i * len + j] = s * scale;
-    }
-  }
+  for (int64_t i = 0; i < group; i++)
+    score_row(qd + i * d, scores + i * len, d, hkv, g, k_cache, bf16, block_size, table, len, scale);
   for (int64_t i = 0; i < group; i++) {
     double *sc = scores + i * len, m = sc[0], total = 0.0;
     for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
     for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
-    for (int64_t t = 0; t < d; t++) acc[t] = 0.0;
+    int64_t t = 0;
+    for (; t + 32 <= d4; t += 32) pv8(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
+    for (; t < d4; t += 4) pv1(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
+    for (t = d4; t < d; t++) acc[t] = 0.0;
     for (int64_t j = 0; j < len; j++) {
-      int64_t base = ((table[j / block_size] * block_size + j % block_size) * hkv + g) * d;
-      __m256d p = _mm256_set1_pd(sc[j]);
-      for (int64_t t = 0; t < d4; t += 4)
-        _mm256_storeu_pd(acc + t, _mm256_fmadd_pd(p, load4(v_cache, base + t, bf16), _mm256_loadu_pd(acc + t)));
-      for (int64_t t = d4; t < d; t++) acc[t] += sc[j] * scalar_at(v_cache, base + t, bf16);
+      int64_t base = kv_offset(table, j, block_size, hkv, g, d);
+      for (t = d4; t < d; t++) acc[t] += sc[j] * scalar_at(v_cache, base + t, bf16);
     }
     float *o = out_row + (g * group + i) * d;
-    for (int64_t t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
+    for (t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
   }
 }
 
