@@ -114,6 +114,9 @@ class DecoderLayers:
         """Update the residual stream ``hidden`` [T, hidden] (float32, contiguous) through every layer."""
         if len(k_caches) != len(self._layers):
             raise ValueError(f"{len(k_caches)} KV pools for {len(self._layers)} layers")
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous() or hidden.shape[1:] != (self._shape[0],):
+            raise ValueError(f"hidden must be contiguous float32 [rows, {self._shape[0]}], got {hidden.dtype} "
+                             f"{list(hidden.shape)}")
         _, dims, ks, vs, _ = self._bind_pools(k_caches, v_caches)
         rows = hidden.shape[0]
         exact = meta.exact
