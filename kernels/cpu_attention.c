@@ -13,7 +13,7 @@
  * same bits, which is what makes the handoff exact (docs/ENGINE.md, batch invariance).
  *
  * Pool layout per layer: [num_blocks, block_size, kv_heads, head_dim], float32 or bf16 (kv_bf16).
- * Threads (OpenMP) take (row, kv head) pairs; the query heads of one kv head (GQA) share its K/V reads.
+ * Threads (OpenMP) take (row, query head) pairs.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -47,7 +47,6 @@ static inline double scalar_at(const void *base, int64_t i, int bf16) {
   return ((const float *)base)[i];
 }
 
-#define MAX_GROUP 64 /* query heads per kv head this kernel takes (callers check) */
 
 /* k row j of kv head g, through the block table. */
 static inline int64_t kv_offset(const int64_t *table, int64_t j, int64_t block_size, int64_t hkv, int64_t g,
@@ -104,31 +103,27 @@ static void score_row(const double *qi, double *sc, int64_t d, int64_t hkv, int6
 DEFINE_PV(pv8, 8)
 DEFINE_PV(pv1, 1)
 
-/* One (row, kv head): `group` query heads, context `len`. q_row is the row's [hq, d] query (float32),
- * qd/scores/acc are this thread's scratch (group*d, group*len, d doubles). */
-static void attend(const float *q_row, float *out_row, int64_t g, int64_t group, int64_t d, int64_t hkv,
+/* One (row, query head h) over kv head g (GQA: h / group). q_row is the row's [hq, d] query (float32);
+ * qd/scores/acc are this thread's scratch (d, len, d doubles). */
+static void attend(const float *q_row, float *out_row, int64_t h, int64_t g, int64_t d, int64_t hkv,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int64_t *table,
-                   int64_t len, double scale, double *qd, double *scores, double *acc) {
-  for (int64_t i = 0; i < group; i++)
-    for (int64_t t = 0; t < d; t++) qd[i * d + t] = q_row[(g * group + i) * d + t];
+                   int64_t len, double scale, double *qd, double *sc, double *acc) {
+  for (int64_t t = 0; t < d; t++) qd[t] = q_row[h * d + t];
   int64_t d4 = d & ~(int64_t)3;
-  for (int64_t i = 0; i < group; i++)
-    score_row(qd + i * d, scores + i * len, d, hkv, g, k_cache, bf16, block_size, table, len, scale);
-  for (int64_t i = 0; i < group; i++) {
-    double *sc = scores + i * len, m = sc[0], total = 0.0;
-    for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
-    for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
-    int64_t t = 0;
-    for (; t + 32 <= d4; t += 32) pv8(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
-    for (; t < d4; t += 4) pv1(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
-    for (t = d4; t < d; t++) acc[t] = 0.0;
-    for (int64_t j = 0; j < len; j++) {
-      int64_t base = kv_offset(table, j, block_size, hkv, g, d);
-      for (t = d4; t < d; t++) acc[t] += sc[j] * scalar_at(v_cache, base + t, bf16);
-    }
-    float *o = out_row + (g * group + i) * d;
-    for (t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
+  score_row(qd, sc, d, hkv, g, k_cache, bf16, block_size, table, len, scale);
+  double m = sc[0], total = 0.0;
+  for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
+  for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
+  int64_t t = 0;
+  for (; t + 32 <= d4; t += 32) pv8(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
+  for (; t < d4; t += 4) pv1(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
+  for (t = d4; t < d; t++) acc[t] = 0.0;
+  for (int64_t j = 0; j < len; j++) {
+    int64_t base = kv_offset(table, j, block_size, hkv, g, d);
+    for (t = d4; t < d; t++) acc[t] += sc[j] * scalar_at(v_cache, base + t, bf16);
   }
+  float *o = out_row + h * d;
+  for (t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
 }
 
 /* q: [tokens, hq, d] float32 at row stride q_stride (floats: a view into a fused qkv output needs no copy),
@@ -139,7 +134,7 @@ int pdd_paged_attention(const float *q, int64_t q_stride, float *out, int64_t hq
                         const void *k_cache, const void *v_cache, int kv_bf16, int64_t block_size, const int64_t *rows,
                         const int64_t *tables, const int64_t *table_offsets, const int64_t *lens, int64_t nrows,
                         double scale, int threads) {
-  if (hkv <= 0 || hq % hkv || hq / hkv > MAX_GROUP || d <= 0 || block_size <= 0) return -2;
+  if (hkv <= 0 || hq % hkv || d <= 0 || block_size <= 0) return -2;
   int64_t group = hq / hkv, max_len = 1;
   for (int64_t r = 0; r < nrows; r++) {
     if (lens[r] < 1) return -2;
@@ -148,15 +143,16 @@ int pdd_paged_attention(const float *q, int64_t q_stride, float *out, int64_t hq
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
-    double *scratch = malloc(sizeof(double) * (group * d + group * max_len + d));
+    double *scratch = malloc(sizeof(double) * (2 * d + max_len));
     if (!scratch) failed = 1;
+    /* one query head per item: a batch-1 step has hq items to share, not hkv (3 kv heads on 2 threads left
+     * one idle a third of the time); a head's arithmetic does not depend on which thread takes it */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < nrows * hkv; w++) {
+    for (int64_t w = 0; w < nrows * hq; w++) {
       if (!scratch) continue;
-      int64_t r = w / hkv, g = w % hkv, tok = rows[r];
-      attend(q + tok * q_stride, out + tok * hq * d, g, group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
-             tables + table_offsets[r], lens[r], scale, scratch, scratch + group * d,
-             scratch + group * d + group * max_len);
+      int64_t r = w / hq, h = w % hq, tok = rows[r];
+      attend(q + tok * q_stride, out + tok * hq * d, h, h / group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
+             tables + table_offsets[r], lens[r], scale, scratch, scratch + d, scratch + d + max_len);
     }
     free(scratch);
   }
