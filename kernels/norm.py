@@ -32,7 +32,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _native_layout(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """float32 CPU rows whose vectors are contiguous (rows may be strided: views into a fused projection)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or not weight.is_contiguous():
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
         return False
     if x.dim() == 2:
         return x.stride(1) == 1
