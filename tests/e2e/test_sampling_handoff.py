@@ -12,7 +12,7 @@ import pytest
 
 from pdd.engine import SamplingParams
 
-MAX_TOKENS = 300  # long enough that MD's KV lands mid-stream and MD takes over
+MAX_TOKENS = 800  # MD's KV lands mid-stream and MD takes over (at 300 the relay, one C call a step, could finish first)
 PROMPT = [7, 300, 41, 41, 41, 12, 99, 250, 250, 13, 5, 77, 140, 6, 6, 6, 310, 88, 19, 201] * 3
 ABS = 1e-4  # logprobs of the same position computed by another engine's forward pass: float32 rounding
 
