@@ -67,3 +67,20 @@ def test_bad_slot_is_a_clear_error_and_the_pool_is_untouched(tiny_paths):
     with pytest.raises(RuntimeError, match="status -2"):
         model.forward(torch.tensor([5]), torch.tensor([0]), meta, pool.k_cache, pool.v_cache, torch.tensor([0]))
     assert all(torch.equal(a, b) for a, b in zip(before, pool.k_cache))
+
+
+def test_bad_residual_stream_or_pool_list_is_a_clear_error(tiny_paths):
+    from pdd.kernels import build_attention_metadata
+
+    engine = make_engine(tiny_paths["llama"], dtype="float32", enable_prefix_cache=False)
+    layers, pool = engine.model.decoder_layers, engine.pool
+    meta = build_attention_metadata(4, [[3]], [1], [])
+    cos, sin = engine.model.rotary.lookup(torch.tensor([0]))
+    hidden = torch.zeros(1, engine.config.hidden_size)
+    with pytest.raises(ValueError, match="hidden must be contiguous float32"):
+        layers.run(hidden.double(), cos, sin, meta, pool.k_cache, pool.v_cache)
+    with pytest.raises(ValueError, match="hidden must be contiguous float32"):
+        layers.run(torch.zeros(1, 2 * engine.config.hidden_size)[:, ::2], cos, sin, meta, pool.k_cache, pool.v_cache)
+    with pytest.raises(ValueError, match="KV pools for"):
+        layers.run(hidden, cos, sin, meta, pool.k_cache[:-1], pool.v_cache[:-1])
+    assert not any(t.any() for t in pool.k_cache)  # nothing was written
