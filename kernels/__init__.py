@@ -17,14 +17,14 @@ from pdd.kernels.rotary import RotaryEmbedding, apply_rotary_
 
 __all__ = [
     "AttentionMetadata",
-    "build_attention_metadata",
-    "paged_attention",
-    "write_kv",
     "DecoderLayers",
     "Linear",
-    "activation_dtype",
-    "rms_norm",
     "RotaryEmbedding",
+    "activation_dtype",
     "apply_rotary_",
+    "build_attention_metadata",
+    "paged_attention",
+    "rms_norm",
     "silu_mul",
+    "write_kv",
 ]
