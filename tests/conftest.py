@@ -1,10 +1,24 @@
-"""Shared fixtures: a real nats-server per test session, and service subprocess helpers."""
+"""Shared fixtures: a real nats-server per test session, and service subprocess helpers.
+
+A test run stopped with SIGTERM ends like Ctrl-C: every fixture and ``finally`` tears down, so no
+nats-server, `pdd up` or service started by a test outlives the run (tests/e2e/test_up_lifetime.py).
+"""
 
 from __future__ import annotations
+
+import signal
 
 import pytest
 
 from pdd.services.launch.natsserver import start_nats_server
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"test run stopped by {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from pdd.services.launch.host_env import shared_host_env
+from pdd.services.launch.children import child_env, serve_argv
 from pdd.services.launch.natsserver import NatsServer, free_port, start_nats_server
 from pdd.shared.roles import Role
 
@@ -135,7 +134,7 @@ class LocalCluster:
                  launch_prefix: dict[str, list[str]] | None = None):
         self.run_dir = Path(run_dir)
         self.config = json.loads(json.dumps(config))
-        self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **shared_host_env(), **(env or {})}
+        self.env = {"UCXPY_ENABLE_PYTHON_FUTURE": "1", **(env or {})}
         self.nats_args = list(nats_args or [])
         self.nats_options = dict(nats_options or {})
         self.instance_env = dict(instance_env or {})  # extra environment for one instance (by id)
@@ -179,10 +178,8 @@ class LocalCluster:
         log_file = open(log_path, "ab")
         offset = log_file.tell()
         proc = subprocess.Popen(
-            [*self.launch_prefix.get(instance_id, []), sys.executable, "-m", "pdd.services.launch.cli", "serve",
-             inst["role"], "--config", str(self.config_path), "--instance-id", instance_id],
-            stdout=log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env, **self.instance_env.get(instance_id, {}), **(env or {})},
+            serve_argv(inst["role"], self.config_path, instance_id, self.launch_prefix.get(instance_id)),
+            stdout=log_file, stderr=subprocess.STDOUT, env=child_env(self.env, self.instance_env.get(instance_id), env),
             start_new_session=True)
         member = Member(instance_id, inst["role"], log_path, proc, log_file, offset)
         self.members[instance_id] = member

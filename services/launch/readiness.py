@@ -46,6 +46,11 @@ def progress(log_path: Path, offset: int = 0) -> str:
     return "starting"
 
 
+def service_ready(log_path: Path, offset: int = 0) -> bool:
+    """The service whose log this is (its lines since ``offset``) said ``service_ready``."""
+    return any(event.get("event") == "service_ready" for event in log_events(log_path, offset))
+
+
 def port_taken(host: str, port: int) -> bool:
     """Whether something already holds ``host:port`` (bound as the router's server binds: SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:

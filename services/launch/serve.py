@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import sys
 
+from pdd.services.launch.children import watch_parent
 from pdd.shared.bus import BusConnectError
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    log = get_logger("pdd.serve")
+    watch_parent(lambda pid: log.warning("launcher_gone", launcher_pid=pid, action="draining, then exiting"))
     try:
         config = load_config(args.config)
         instance = config.instance(args.instance_id) if args.instance_id else config.first_of_role(args.role)
@@ -44,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(service.run())
     except (ConfigError, BusConnectError) as exc:  # wrong credentials/TLS: say so once, do not retry forever
-        get_logger("pdd.serve").error("service_failed", role=args.role, instance=instance.id, error=str(exc))
+        log.error("service_failed", role=args.role, instance=instance.id, error=str(exc))
         return 1
     return 0

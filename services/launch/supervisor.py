@@ -5,15 +5,22 @@ whole system down; the others keep serving while it comes back. A child that cra
 config, a port it cannot bind) is restarted at most every ``backoff_max_s`` seconds with one log line
 per exit (its exit code, the restart count, the delay and, when it exited by itself, the last line of
 its log), so it never spins fast or silently. Only ``stop()`` ends a child for good.
+
+A child that never became ready is different: exiting again and again the same way before it ever
+served (a failed import, a bad model path) is not a crash a restart mends. After ``CRASH_LOOP_EXITS``
+such exits in a row with the same last log line, ``poll()`` raises ``CrashLoop`` so that the launcher
+stops and says why instead of restarting without end. Once a child has been ready, its exits are
+restarted with the backoff, whatever they say.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -41,14 +48,45 @@ def last_line(path: Path | None, offset: int = 0, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+CRASH_LOOP_EXITS = 3  # exits before the first ready, in a row with the same last log line
+VOLATILE_LOG_KEYS = ("timestamp", "time", "ts", "pid", "trace_id", "span_id")  # differ on every run of a JSON log
+
+
+def exit_signature(line: str) -> str:
+    """What two exits are compared by: their last log line, without what differs on every run (a JSON
+    log's timestamp, pid, trace ids)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(event, dict):
+        return line
+    return json.dumps({k: v for k, v in event.items() if k not in VOLATILE_LOG_KEYS}, sort_keys=True)
+
+
+class CrashLoop(RuntimeError):
+    """A child exited ``CRASH_LOOP_EXITS`` times in a row, the same way, before it was ever ready."""
+
+    def __init__(self, child: Child, why: str):
+        self.child = child
+        self.why = why
+        where = f"; log {child.log_path}" if child.log_path else ""
+        super().__init__(f"{child.name} exited {CRASH_LOOP_EXITS} times in a row before it was ever ready, "
+                         f"each time with: {why}{where}")
+
+
 @dataclass
 class Child:
-    """One supervised process. ``start`` launches it (and may wait until it listens) and returns it."""
+    """One supervised process. ``start`` launches it (and may wait until it listens) and returns it.
+    ``ready`` tells whether the current process serves (None: it does once ``start`` returned)."""
 
     name: str
     start: Callable[[], subprocess.Popen]
     log_path: Path | None
     tier: int  # stop() ends higher tiers first (services before the nats-server they talk through)
+    ready: Callable[[Child], bool] | None = None
+    was_ready: bool = False  # some process of this child was ready once
+    early_exits: list[str] = field(default_factory=list)  # signatures of exits before the first ready
     proc: subprocess.Popen | None = None
     log_offset: int = 0  # where the current process's log lines start (restarts append)
     started_at: float = 0.0
@@ -78,9 +116,9 @@ class Supervisor:
         self.stopped = False
 
     def add(self, name: str, start: Callable[[], subprocess.Popen], log_path: Path | None = None,
-            tier: int = 1) -> Child:
+            tier: int = 1, ready: Callable[[Child], bool] | None = None) -> Child:
         """Start a child now; an error here propagates (the first start is the caller's to judge)."""
-        child = Child(name, start, log_path, tier)
+        child = Child(name, start, log_path, tier, ready)
         self.children[name] = child
         self._launch(child)
         return child
@@ -90,16 +128,23 @@ class Supervisor:
         child.started_at = time.monotonic()
         child.due_at = None
         child.proc = child.start()
+        if child.ready is None:
+            child.was_ready = True
 
     def _delay(self, child: Child) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** (child.failures - 1))
 
     def poll(self) -> None:
-        """Notice exits (schedule a restart, say so) and restart the children whose backoff is over."""
+        """Notice exits (schedule a restart, say so) and restart the children whose backoff is over.
+
+        Raises ``CrashLoop`` when a child that was never ready keeps exiting the same way."""
         if self.stopped:
             return
         now = time.monotonic()
         for child in self.children.values():
+            if not child.was_ready and child.proc is not None and child.ready is not None and child.ready(child):
+                child.was_ready = True
+                child.early_exits.clear()
             if child.due_at is None and child.proc is not None and child.proc.poll() is not None:
                 ran = now - child.started_at
                 child.failures = 1 if ran >= self.stable_s else child.failures + 1
@@ -107,6 +152,11 @@ class Supervisor:
                 child.due_at = now + delay
                 code = child.proc.returncode
                 why = last_line(child.log_path, child.log_offset) if code > 0 else ""  # a signal says it all
+                if not child.was_ready:
+                    child.early_exits.append(exit_signature(why or describe_exit(code)))
+                    last = child.early_exits[-CRASH_LOOP_EXITS:]
+                    if len(last) == CRASH_LOOP_EXITS and len(set(last)) == 1:
+                        raise CrashLoop(child, why or f"exit {describe_exit(code)}")
                 self.say(f"{child.name} exited with {describe_exit(code)} after {ran:.0f}s; "
                          f"restart #{child.restarts + 1} in {delay:g}s"
                          + (f" (last log line: {why})" if why else "")

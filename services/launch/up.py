@@ -31,11 +31,11 @@ from pathlib import Path
 import yaml
 
 from pdd.engine.cpu_features import AUTO, SERVING_DTYPES, resolve_dtypes
-from pdd.services.launch.host_env import shared_host_env
+from pdd.services.launch.children import child_env, serve_argv
 from pdd.services.launch.natsserver import free_port, start_nats_server
-from pdd.services.launch.readiness import port_taken, progress, router_ready
+from pdd.services.launch.readiness import port_taken, progress, router_ready, service_ready
 from pdd.services.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites, netns_sites
-from pdd.services.launch.supervisor import Supervisor
+from pdd.services.launch.supervisor import CrashLoop, Supervisor
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
 from pdd.transports.keys_cli import write_keypair
@@ -139,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="where logs, config and spans go (default runs/<time>)")
     parser.add_argument("--ask", default=None, help="send this chat message once the system is up and print the reply")
     parser.add_argument("--exit-after-ask", action="store_true", help="stop after answering --ask")
+    parser.add_argument("--ask-timeout", type=float, default=300.0,
+                        help="seconds --ask waits for its answer once the system is ready (then exits non-zero)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on the API (repeat for several keys; requests "
@@ -207,14 +209,23 @@ def _say(msg: str) -> None:
     print(f"[pdd up] {msg}", flush=True)
 
 
-def _ask(base_url: str, text: str, api_key: str | None = None) -> str:
+def _ask(base_url: str, text: str, api_key: str | None = None, timeout: float = 300.0) -> str:
+    """One chat request; the answer, or an OSError/ValueError/KeyError when none arrives by ``timeout``."""
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"no answer within --ask-timeout {timeout:g}s")
+        return deadline - time.monotonic()
+
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    with urllib.request.urlopen(urllib.request.Request(base_url + "/v1/models", headers=headers), timeout=10) as resp:
+    with urllib.request.urlopen(urllib.request.Request(base_url + "/v1/models", headers=headers),
+                                timeout=min(10.0, left())) as resp:
         model = json.loads(resp.read())["data"][0]["id"]
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 64,
                        "temperature": 0}).encode()
     req = urllib.request.Request(base_url + "/v1/chat/completions", data=body, headers=headers)
-    with urllib.request.urlopen(req, timeout=300) as resp:
+    with urllib.request.urlopen(req, timeout=left()) as resp:
         reply = json.loads(resp.read())
     return reply["choices"][0]["message"]["content"] + f"\n  [pipeline: {reply.get('pdd', {}).get('pipeline')}]"
 
@@ -225,10 +236,8 @@ def _service_starter(inst: dict, config_path: Path, log_path: Path, sites: TwoSi
     def start() -> subprocess.Popen:
         with open(log_path, "ab") as log:  # the child holds its own descriptor
             return subprocess.Popen(
-                [*(sites.prefix(inst["site"]) if sites else []), sys.executable, "-m", "pdd.services.launch.cli",
-                 "serve", inst["role"], "--config", str(config_path), "--instance-id", inst["id"]],
-                stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **shared_host_env(), **(sites.env(inst["site"]) if sites else {})})
+                serve_argv(inst["role"], config_path, inst["id"], sites.prefix(inst["site"]) if sites else None),
+                stdout=log, stderr=subprocess.STDOUT, env=child_env(sites.env(inst["site"]) if sites else None))
     return start
 
 
@@ -293,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
         router_id = ""
         for inst in config["instances"]:
             log_path = run_dir / f"{inst['id']}.log"
-            child = supervisor.add(inst["id"], _service_starter(inst, load_config_path, log_path, sites), log_path)
+            child = supervisor.add(inst["id"], _service_starter(inst, load_config_path, log_path, sites), log_path,
+                                   ready=lambda c: service_ready(c.log_path, c.log_offset))
             if inst["role"] == Role.ROUTER:
                 router_id = inst["id"]
             _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={child.proc.pid}")
@@ -311,7 +321,8 @@ def run(args: argparse.Namespace) -> int:
                 _say(status)
                 last_status = status
             if time.monotonic() > deadline:
-                _say(f"not healthy after {args.startup_timeout:.0f}s; see logs in {run_dir}")
+                print(f"pdd up: not ready after {args.startup_timeout:.0f}s ({status}); logs in {run_dir}",
+                      file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.5)
         if stop["now"]:
@@ -328,9 +339,9 @@ def run(args: argparse.Namespace) -> int:
         if args.ask:
             _say(f"asking: {args.ask}")
             try:
-                print(_ask(base_url, args.ask, api_keys[0] if api_keys else None), flush=True)
+                print(_ask(base_url, args.ask, api_keys[0] if api_keys else None, args.ask_timeout), flush=True)
             except (OSError, ValueError, KeyError, IndexError) as exc:
-                _say(f"request failed: {exc}")
+                print(f"pdd up: --ask got no answer: {exc}", file=sys.stderr, flush=True)
                 return 1
             if args.exit_after_ask:
                 return 0
@@ -340,6 +351,9 @@ def run(args: argparse.Namespace) -> int:
             supervisor.poll()
             time.sleep(0.5)
         return 0
+    except CrashLoop as exc:
+        print(f"pdd up: {exc}; stopping the system", file=sys.stderr, flush=True)
+        return 1
     finally:
         _say("stopping")
         supervisor.stop()

@@ -1,9 +1,12 @@
 """The supervisor behind `pdd up`, on real processes: a crash-looping child is restarted with a doubling,
-capped backoff and one line per exit (code, restart count, delay, its last log line); a kill -9'd
-nats-server comes back on its port; stop() ends everything and cancels a pending restart."""
+capped backoff and one line per exit (code, restart count, delay, its last log line); one that never
+became ready and exits the same way three times in a row is a crash loop (``CrashLoop``), one whose exits
+differ or that was ready once is restarted; a kill -9'd nats-server comes back on its port; stop() ends
+everything and cancels a pending restart."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -12,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pdd.services.launch.natsserver import free_port, start_nats_server
-from pdd.services.launch.supervisor import Supervisor
+from pdd.services.launch.supervisor import CRASH_LOOP_EXITS, CrashLoop, Supervisor
 
 
 def _poll_until(supervisor: Supervisor, predicate, what: str, timeout: float = 60.0) -> None:
@@ -49,6 +54,46 @@ def test_a_crash_looping_child_backs_off_to_the_cap_and_says_why_each_time(tmp_p
     finally:
         supervisor.stop()
     assert not supervisor.children["bad"].alive
+
+
+def _said_ready(child) -> bool:
+    return "READY" in child.log_path.read_text()[child.log_offset:]
+
+
+# A JSON log line that differs on every run only by its timestamp and pid, as a service's would.
+FAILS_AT_IMPORT = ("import json, os, sys, time; print(json.dumps({'event': 'service_failed', 'error': 'no module x', "
+                   "'timestamp': time.time(), 'pid': os.getpid()})); sys.exit(1)")
+
+
+def test_a_child_that_exits_the_same_way_before_it_was_ever_ready_is_a_crash_loop(tmp_path):
+    said: list[str] = []
+    supervisor = Supervisor(said.append, backoff_s=0.05, backoff_max_s=0.2, stable_s=3600)
+    log = tmp_path / "bad.log"
+    supervisor.add("bad", _script(log, FAILS_AT_IMPORT), log, ready=_said_ready)
+    try:
+        with pytest.raises(CrashLoop) as caught:
+            _poll_until(supervisor, lambda: False, "a crash loop", timeout=60.0)
+        assert supervisor.children["bad"].restarts == CRASH_LOOP_EXITS - 1
+        message = str(caught.value)
+        assert "bad exited 3 times in a row before it was ever ready" in message, message
+        assert json.loads(message.split("each time with: ")[1].split("; log ")[0])["error"] == "no module x"
+        assert message.endswith(f"; log {log}"), message
+    finally:
+        supervisor.stop()
+
+
+@pytest.mark.parametrize("code", [
+    "import random, sys; print('failed', random.random()); sys.exit(1)",  # a different reason every time
+    "import sys; print('READY', flush=True); print('lost the bus'); sys.exit(1)",  # ready once, then crashed
+], ids=["exits-differ", "was-ready"])
+def test_exits_that_differ_or_follow_a_ready_run_are_restarted_not_a_crash_loop(tmp_path, code):
+    supervisor = Supervisor(lambda _: None, backoff_s=0.05, backoff_max_s=0.1, stable_s=3600)
+    log = tmp_path / "child.log"
+    supervisor.add("child", _script(log, code), log, ready=_said_ready)
+    try:
+        _poll_until(supervisor, lambda: supervisor.children["child"].restarts >= CRASH_LOOP_EXITS + 2, "restarts")
+    finally:
+        supervisor.stop()
 
 
 def test_a_killed_nats_server_comes_back_on_its_port_and_stop_ends_everything(tmp_path):
