@@ -46,6 +46,11 @@ class System:
             time.sleep(0.2)
         raise TimeoutError(f"system not ready: {self.health()}")
 
+    def serving_dtypes(self) -> dict:
+        """{"dtype": .., "kv_dtype": ..} as the engine instances announce them (the router's /v1/models)."""
+        with urllib.request.urlopen(self.base_url + "/v1/models", timeout=10) as resp:
+            return json.loads(resp.read())["data"][0]["pdd"]
+
     def instance_health(self, instance_id: str) -> dict:
         return self.procs[instance_id].health()[1]
 
@@ -97,7 +102,17 @@ def system(tmp_path_factory, nats_url, tiny_model):
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model):
+def reference(system):
+    """One engine alone, in the dtypes the system serves in. Its config leaves model.dtype `auto`, so that is
+    bf16 on a CPU with avx512_bf16/amx_bf16 and fp32 elsewhere (or as PDD_NATIVE_BF16 says): the reference
+    resolves the same config in the same environment, and must agree with the dtypes the fleet announces.
+    (Token-for-token comparisons between an fp32 reference and a bf16 fleet fail: issue #26.)"""
     from pdd.engine import Engine
+    from pdd.shared.config import load_config
 
-    return Engine.from_model(tiny_model, kv_memory_bytes=8 << 20, num_threads=1)
+    model = load_config(system.config_path).model
+    engine = Engine.from_model(model.path, dtype=model.dtype, kv_dtype=model.kv_dtype,
+                               kv_memory_bytes=model.kv_memory_mb << 20, block_size=model.block_size, num_threads=1)
+    choice = engine.dtype_choice
+    assert system.serving_dtypes() == {"dtype": choice.dtype, "kv_dtype": choice.kv_dtype}, choice.reason
+    return engine

@@ -62,7 +62,8 @@ async def run_sessions(base_url: str, all_sessions, pipeline, handoff) -> list[t
 
 @pytest.mark.parametrize("pipeline, handoff", PIPELINES)
 def test_pipeline_matches_single_engine(system, reference, pipeline, handoff):
-    """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone."""
+    """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone, in the
+    dtype the system serves (`auto`: bf16 or fp32 by the CPU; the `reference` fixture resolves the same)."""
     from pdd.engine import SamplingParams
 
     all_sessions = sessions(10, 5, seed=PIPELINES.index((pipeline, handoff)))
@@ -127,10 +128,17 @@ def metric_value(url: str, name: str) -> float:
 
 
 def test_second_turn_moves_only_new_kv_over_wan(system, reference):
-    """Decode-side RadixCache: turn 2 reuses turn 1's KV at MD; only the new tokens' blocks cross."""
+    """Decode-side RadixCache: turn 2 reuses turn 1's KV at MD; only the new tokens' blocks cross.
+
+    Bytes per block come from the KV layout P loaded (its dtype is what `auto` resolved to: bf16 KV is half
+    of fp32's), which is the reference engine's layout too."""
+    from pdd.shared.kv_layout import KVLayout
+
     p_metrics = system.procs["p-0"].wait_log("service_ready")["metrics"]
-    block_size = 16
-    bytes_per_block = reference.layout.bytes_per_block_per_tensor * 2 * reference.layout.num_layers
+    layout = KVLayout.from_dict(system.procs["p-0"].wait_log("model_loaded")["layout"])
+    assert layout == reference.layout, (layout, reference.layout)
+    block_size = layout.block_size
+    bytes_per_block = layout.bytes_per_block_per_tensor * 2 * layout.num_layers
     rng = random.Random(99)
     turn1 = [rng.randrange(5, 380) for _ in range(200)]
     before = metric_value(p_metrics, "pdd:wan_bytes_total")

@@ -2,7 +2,8 @@
 
 The relay decodes the first positions, main decode learns them by token ids and continues: every token
 and every logprob must equal what one engine computes alone for the same request (and what the P-RLD
-path, where the relay finishes locally, returns), in streaming and non-streaming form.
+path, where the relay finishes locally, returns), in streaming and non-streaming form. The system serves
+`dtype: auto` (bf16 or fp32 by the CPU, or PDD_NATIVE_BF16); the `reference` engine resolves the same.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pdd.engine import SamplingParams
 
 MAX_TOKENS = 800  # MD's KV lands mid-stream and MD takes over (at 300 the relay, one C call a step, could finish first)
 PROMPT = [7, 300, 41, 41, 41, 12, 99, 250, 250, 13, 5, 77, 140, 6, 6, 6, 310, 88, 19, 201] * 3
-ABS = 1e-4  # logprobs of the same position computed by another engine's forward pass: float32 rounding
+ABS = 1e-4  # logprobs (float32 in every dtype) of the same position from another engine's forward pass: rounding
 
 
 @pytest.fixture(scope="module")

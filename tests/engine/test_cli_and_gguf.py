@@ -35,7 +35,7 @@ def test_generate_sampling_flags_reach_the_engine(llama_path, capsys):
              "--dtype", "float32"]
     assert main(["generate", "--model", llama_path, "--prompt", "Hello world", "--json", *flags]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    engine = Engine.from_model(llama_path, kv_memory_bytes=16 << 20)
+    engine = Engine.from_model(llama_path, dtype="float32", kv_memory_bytes=16 << 20)  # as --dtype above
     params = SamplingParams(temperature=0.9, seed=3, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.7,
                             presence_penalty=0.4, min_p=0.05)
     engine.add_request("r", got["prompt_token_ids"], params, max_new_tokens=12)
@@ -61,7 +61,7 @@ def test_smollm2_gguf_matches_transformers():
         path = default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    engine = Engine.from_model(path, kv_memory_bytes=32 * 1024 * 1024)
+    engine = Engine.from_model(path, dtype="float32", kv_memory_bytes=32 * 1024 * 1024)  # as transformers below
     tok = engine.tokenizer
     prompts = [
         render_chat(tok, "What is the capital of France?"),

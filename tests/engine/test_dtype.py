@@ -1,5 +1,5 @@
-"""Serving dtype: `auto` from the CPU's bf16 flags (injected /proc/cpuinfo text), the KV dtype option,
-and a bfloat16 engine end to end (this machine may lack native bf16; torch still computes it)."""
+"""Serving dtype: `auto` from the CPU's bf16 flags (injected /proc/cpuinfo text) or PDD_NATIVE_BF16, the KV
+dtype option, and a bfloat16 engine end to end (this machine may lack native bf16; torch still computes it)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdd.engine import SamplingParams
-from pdd.engine.cpu_features import bf16_support, cpu_flags, resolve_dtypes
+from pdd.engine.cpu_features import NATIVE_BF16_ENV, bf16_support, cpu_flags, resolve_dtypes
 
 from .conftest import make_engine, run_all
 
@@ -22,6 +22,12 @@ flags\t\t: fpu vme sse sse2 avx avx2 fma bmi2
 AVX512_BF16 = AVX2_ONLY.replace("bmi2", "bmi2 avx512f avx512bw avx512_vnni avx512_bf16")
 SAPPHIRE_RAPIDS = AVX2_ONLY.replace("bmi2", "bmi2 avx512f amx_bf16 amx_tile amx_int8")
 ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32\n"
+
+
+@pytest.fixture
+def detect(monkeypatch):
+    """Detection from the (injected) CPU flags: no PDD_NATIVE_BF16 override from the test run's environment."""
+    monkeypatch.delenv(NATIVE_BF16_ENV, raising=False)
 
 
 def test_cpu_flags_reads_x86_and_arm_lines():
@@ -37,7 +43,7 @@ def test_cpu_flags_reads_x86_and_arm_lines():
     (ARM, False, None),
     ("", False, None),
 ])
-def test_auto_picks_bf16_only_with_native_bf16(cpuinfo, native, flag):
+def test_auto_picks_bf16_only_with_native_bf16(detect, cpuinfo, native, flag):
     ok, reason = bf16_support(cpuinfo)
     assert ok is native
     choice = resolve_dtypes("auto", "auto", cpuinfo_text=cpuinfo)
@@ -49,12 +55,44 @@ def test_auto_picks_bf16_only_with_native_bf16(cpuinfo, native, flag):
         assert "none of avx512_bf16, amx_bf16" in choice.reason
 
 
-def test_explicit_dtypes_win_over_the_cpu():
+def test_explicit_dtypes_win_over_the_cpu(detect):
     assert resolve_dtypes("float32", "auto", cpuinfo_text=AVX512_BF16).dtype == "float32"
     choice = resolve_dtypes("bfloat16", "auto", cpuinfo_text=AVX2_ONLY)
     assert (choice.dtype, choice.kv_dtype) == ("bfloat16", "bfloat16")
     assert "set in config" in choice.reason
     assert resolve_dtypes("auto", "float32", cpuinfo_text=AVX2_ONLY).kv_dtype == "float32"
+
+
+@pytest.mark.parametrize("value, native", [("1", True), ("0", False), (" 1 ", True)])
+@pytest.mark.parametrize("cpuinfo", [AVX512_BF16, AVX2_ONLY, None])  # None: this machine's /proc/cpuinfo
+def test_env_override_wins_over_the_cpu_and_is_named(monkeypatch, value, native, cpuinfo):
+    monkeypatch.setenv(NATIVE_BF16_ENV, value)
+    ok, reason = bf16_support(cpuinfo)
+    assert ok is native and reason == f"PDD_NATIVE_BF16={int(native)} in the environment"
+    choice = resolve_dtypes("auto", "auto", cpuinfo_text=cpuinfo)
+    assert (choice.dtype, choice.kv_dtype) == (("bfloat16",) * 2 if native else ("float32",) * 2)
+    assert choice.reason.startswith(f"dtype auto -> {choice.dtype}: PDD_NATIVE_BF16={int(native)} in the environment")
+    # explicit dtypes still win over the override
+    assert resolve_dtypes("float32", "auto", cpuinfo_text=cpuinfo).dtype == "float32"
+    assert resolve_dtypes("bfloat16", "auto", cpuinfo_text=cpuinfo).dtype == "bfloat16"
+
+
+def test_env_override_unset_or_empty_detects(monkeypatch):
+    monkeypatch.setenv(NATIVE_BF16_ENV, "")
+    assert bf16_support(AVX512_BF16) == (True, "/proc/cpuinfo has avx512_bf16")
+    assert bf16_support(AVX2_ONLY, environ={}) == (False, "/proc/cpuinfo has none of avx512_bf16, amx_bf16")
+    assert bf16_support(AVX2_ONLY, environ={NATIVE_BF16_ENV: "1"})[0] is True  # an explicit mapping, not os.environ
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "bf16", "-1"])
+def test_bad_env_override_is_a_clear_error(monkeypatch, value):
+    monkeypatch.setenv(NATIVE_BF16_ENV, value)
+    with pytest.raises(ValueError, match=rf"PDD_NATIVE_BF16 must be 1 .*, 0 .* or unset .*; got '{value}'"):
+        bf16_support(AVX512_BF16)
+    with pytest.raises(ValueError, match="PDD_NATIVE_BF16 must be"):
+        resolve_dtypes("auto", "auto")
+    with pytest.raises(ValueError, match="PDD_NATIVE_BF16 must be"):  # a typo fails even where it would not decide
+        resolve_dtypes("float32", "float32")
 
 
 def test_bad_dtype_names_are_refused():
