@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pdd.shared.pipelines import ROUTABLE, HandoffMode, Pipeline, spec
+from tests.e2e.conftest import until_handed_over
 
 # every routable pipeline, and each handoff mode where the pipeline hands over
 PIPELINES = [(p, mode) for p in ROUTABLE for mode in (list(HandoffMode) if spec(p).hands_over else [None])]
@@ -89,14 +90,22 @@ def test_eager_tokens_reach_client_before_md_kv_lands(system):
     warm = httpx.post(system.base_url + "/v1/completions", json=body_for([5, 6, 7], "P-RLD-MD"), timeout=60)
     assert warm.status_code == 200  # first use opens the ucx/zmq links; measure a request on warm links
     body = body_for(list(range(7, 7 + 90)), "P-RLD-MD", "catch-up", stream=True, ignore_eos=True)
-    body["max_tokens"] = 900  # long enough that MD takes over (the tiny model decodes ~1-5 ms/token)
-    request_id = None
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", system.base_url + "/v1/completions", json=body) as r:
+    body["max_tokens"] = 900  # long enough that MD takes over (the tiny model decodes ~0.5-5 ms/token)
+
+    def stream() -> dict:
+        """The request's id and its `pdd` block."""
+        seen = {"pdd": {}}
+        with httpx.Client(timeout=60) as client, client.stream("POST", system.base_url + "/v1/completions",
+                                                               json=body) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    request_id = json.loads(line[6:])["id"]
+                    chunk = json.loads(line[6:])
+                    seen["id"] = chunk["id"]
+                    seen["pdd"] = chunk.get("pdd") or seen["pdd"]
+        return seen
+
+    request_id = until_handed_over(stream, lambda seen: seen["pdd"])["id"]
     md_landed = wait_for_spans(system, lambda s: s["name"] == "kv.receive" and s["service"] == "pdd-main-decode"
                                and s["attributes"].get("request_id") == request_id)[-1]["end_ns"]
     root = wait_for_spans(system, lambda s: s["name"] == "router.request"

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from pdd.engine import SamplingParams
+from tests.e2e.conftest import until_handed_over
 
 MAX_TOKENS = 800  # MD's KV lands mid-stream and MD takes over (at 300 the relay, one C call a step, could finish first)
 PROMPT = [7, 300, 41, 41, 41, 12, 99, 250, 250, 13, 5, 77, 140, 6, 6, 6, 310, 88, 19, 201] * 3
@@ -43,6 +44,11 @@ def _pdd(pipeline: str, handoff: str | None = None) -> dict:
 PENALISED = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "repetition_penalty": 1.3, "min_tokens": MAX_TOKENS - 5}
 
 
+def _stream_info(chunks: list) -> dict:
+    """The `pdd` block of a streamed response."""
+    return next(c.model_extra["pdd"] for c in chunks if c.model_extra.get("pdd"))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_logprobs_and_penalties_match_one_engine_across_catch_up(system, reference, client, stream):
     kwargs = {"model": client.models.list().data[0].id, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -54,16 +60,17 @@ def test_completions_logprobs_and_penalties_match_one_engine_across_catch_up(sys
     assert want != plain  # the penalties change the answer, so matching it means they were applied
 
     if stream:
-        chunks = list(client.completions.create(**kwargs, stream=True, extra_body={**extra, **_pdd(
-            "P-RLD-MD", "catch-up")}))
-        info = next(c.model_extra["pdd"] for c in chunks if c.model_extra.get("pdd"))
+        chunks = until_handed_over(lambda: list(client.completions.create(**kwargs, stream=True, extra_body={
+            **extra, **_pdd("P-RLD-MD", "catch-up")})), _stream_info)
+        info = _stream_info(chunks)
         lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
         tokens = [t for lp in lps for t in lp.tokens]
         token_logprobs = [v for lp in lps for v in lp.token_logprobs]
         top = [d for lp in lps for d in lp.top_logprobs]
         offsets = [o for lp in lps for o in lp.text_offset]
     else:
-        resp = client.completions.create(**kwargs, extra_body={**extra, **_pdd("P-RLD-MD", "catch-up")})
+        resp = until_handed_over(lambda: client.completions.create(**kwargs, extra_body={
+            **extra, **_pdd("P-RLD-MD", "catch-up")}), lambda r: r.model_extra["pdd"])
         info = resp.model_extra["pdd"]
         lp = resp.choices[0].logprobs
         tokens, token_logprobs, top, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
@@ -89,9 +96,9 @@ def test_chat_sampled_logprobs_identical_across_catch_up_and_local_finish(system
                   "frequency_penalty": 0.3, "presence_penalty": 0.2}
     extra = {"min_p": 0.05, "repetition_penalty": 1.2, "min_tokens": MAX_TOKENS - 5}
     local = client.chat.completions.create(**kwargs, extra_body={**extra, **_pdd("P-RLD")})
-    chunks = list(client.chat.completions.create(**kwargs, stream=True,
-                                                 extra_body={**extra, **_pdd("P-RLD-MD", "catch-up")}))
-    info = next(c.model_extra["pdd"] for c in chunks if c.model_extra.get("pdd"))
+    chunks = until_handed_over(lambda: list(client.chat.completions.create(
+        **kwargs, stream=True, extra_body={**extra, **_pdd("P-RLD-MD", "catch-up")})), _stream_info)
+    info = _stream_info(chunks)
     assert info.get("handoff_mode") == "catch-up" and 0 < info["rld_tokens"], info
     assert info["token_ids"] == local.model_extra["pdd"]["token_ids"]
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
