@@ -107,12 +107,12 @@ class ReceiveRegistry:
     def cancel(self, request_id: str) -> None:
         self._fail(request_id, TransferCancelled(f"request {request_id} cancelled", request_id))
 
-    def peer_lost(self, source: Hashable) -> None:
-        """A connection closed: fail the unfinished requests that were receiving from it."""
+    def peer_lost(self, source: Hashable, reason: str = "sender disconnected") -> None:
+        """A connection closed (or went silent): fail the unfinished requests that were receiving from it."""
         with self._lock:
             hit = [rid for rid, e in self._live.items() if source in e.sources]
         for rid in hit:
-            self._fail(rid, PeerLostError(f"sender disconnected in the middle of request {rid}", rid))
+            self._fail(rid, PeerLostError(f"{reason} in the middle of request {rid}", rid))
 
     def close(self) -> None:
         with self._lock:

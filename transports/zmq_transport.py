@@ -8,6 +8,20 @@ sender (a) flow control: at most ``window_bytes`` unacknowledged per stream, and
 when the peer dies, rejects a frame, or stops answering for ``ack_timeout_s``. A monitor on the
 ROUTER fails requests whose sender connection dropped mid-transfer.
 
+Liveness is judged by progress of the whole link (all its streams), never by how long one message
+takes: on a slow link one frame can take minutes, and a heartbeat queued behind it says nothing about
+the peer. zmq's own heartbeat timeouts do exactly that (libzmq resets them only when a *complete*
+message part arrives, per connection), so they are off (HEARTBEAT_TIMEOUT and TTL 0): zmq heartbeats
+only keep bytes flowing on idle connections, and the transport judges from Linux TCP_INFO instead,
+every ``heartbeat_s``, with a dead time of 3 x ``heartbeat_s``:
+* receiver: a sending link is dead when none of its connections received a byte (KV data, or the
+  sender's PINGs and PONGs) for the dead time; its unfinished requests fail with PeerLostError;
+* sender: a link is dead when on none of its streams the receiver sent a byte (acks, PINGs, PONGs)
+  or its TCP acknowledged our bytes beyond our own heartbeats for the dead time; its frames in flight
+  fail with PeerLostError (the caller drops the link);
+* an acknowledgement wait (``ack_timeout_s``) extends while the receiver's TCP keeps acknowledging
+  our bytes, so it bounds a receiver that stopped taking data, not a frame still crossing.
+
 All socket work, checksums and copies run in the transport's own thread and event loop.
 """
 
@@ -15,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +50,29 @@ log = logging.getLogger(__name__)
 
 _SEQ = struct.Struct(">Q")
 _CODE = struct.Struct(">I")
+_HEARTBEAT_WIRE_BYTES = 64  # upper bound of one ZMTP PING or PONG on the wire (CURVE-boxed ~40)
+
+
+def _tcp_info(fd: int) -> tuple[int, int] | None:
+    """(ms since the peer last sent us data, bytes of ours the peer acknowledged) from Linux TCP_INFO,
+    read through a duplicate of zmq's descriptor (closing it leaves the connection alone); None when
+    unavailable (not Linux, fd already closed)."""
+    if not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        dup = socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    try:
+        raw = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+    except OSError:
+        return None
+    finally:
+        dup.close()
+    if len(raw) < 136:
+        return None
+    # struct tcp_info: tcpi_last_data_recv (u32) at 52, tcpi_bytes_acked (u64) at 120
+    return struct.unpack_from("=I", raw, 52)[0], struct.unpack_from("=Q", raw, 120)[0]
 
 
 def load_curve_keys(cfg: dict) -> tuple[bytes, bytes]:
@@ -71,6 +110,9 @@ class _Stream(AckWindow):
     monitor: zmq.asyncio.Socket
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task] = field(default_factory=list)
+    fd: int | None = None  # the TCP connection's descriptor while connected (progress via TCP_INFO)
+    alive_at: float = field(default_factory=time.monotonic)  # last sign of the receiver on this stream
+    sampled: tuple[int | None, int, float] = (None, 0, 0.0)  # (fd, bytes_acked, when) at the last look
 
 
 class ZmqTransport(KVTransport):
@@ -96,6 +138,7 @@ class ZmqTransport(KVTransport):
         self._tasks: list[asyncio.Task] = []
         self._links: list[list[_Stream]] = []
         self._link_count = 0
+        self._fd_link: dict[int, bytes] = {}  # receiver: connection fd -> sending link (identity prefix)
 
     # ---- lifecycle (public methods hop onto the private loop) -------------------------------
     async def _start(self) -> None:
@@ -107,6 +150,9 @@ class ZmqTransport(KVTransport):
         self._router = self._ctx.socket(zmq.ROUTER)
         self._tune(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_frame_bytes + (1 << 20))
+        # a sender stream that reconnects (same identity) takes over at once; its old connection may be
+        # silently dead, and this receiver no longer drops connections on a heartbeat timeout
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._curve_keys:
             public, secret = self._curve_keys
             self._router.curve_server = True
@@ -121,6 +167,8 @@ class ZmqTransport(KVTransport):
             self.port = self._router.bind_to_random_port(url)
         mon = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.create_task(self._serve()), asyncio.create_task(self._watch_router(mon))]
+        if self.heartbeat_s > 0:
+            self._tasks += [asyncio.create_task(self._watch_senders()), asyncio.create_task(self._watch_links())]
         for t in self._tasks:
             t.add_done_callback(_log_death)
 
@@ -137,10 +185,11 @@ class ZmqTransport(KVTransport):
 
     def _tune(self, sock: zmq.Socket) -> None:
         sock.linger = 0
-        ivl = int(self.heartbeat_s * 1000)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ivl)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * ivl)
+        # PINGs (and the peer's PONGs) keep idle connections carrying bytes; no zmq timeout or TTL,
+        # which would drop a live connection while one slow message part crosses (module docstring)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 0)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 0)
 
     async def _close(self) -> None:
         if self._lt is not None:
@@ -173,6 +222,7 @@ class ZmqTransport(KVTransport):
                 log.warning("zmq transport: dropped a message without a sequence number")
                 continue
             code, text = 0, b""
+            self._fd_link[parts[1].get(zmq.SRCFD)] = ident.rpartition(b"/")[0]
             if len(parts) != 4:
                 code, text = 11, b"message must have 3 parts: seq, header, payload"
             else:
@@ -189,8 +239,61 @@ class ZmqTransport(KVTransport):
     async def _watch_router(self, mon: zmq.asyncio.Socket) -> None:
         while True:
             event = parse_monitor_message(await mon.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and self._registry is not None:
-                self._registry.peer_lost(event["value"])
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._fd_link.pop(event["value"], None)
+                if self._registry is not None:
+                    self._registry.peer_lost(event["value"])
+
+    async def _watch_senders(self) -> None:
+        """Receive-side liveness by progress: a sending link is dead when none of its connections has
+        received a byte for 3 heartbeat intervals. A live sender always sends something: KV bytes
+        while a transfer moves (however slowly), its PINGs and PONGs when idle. Judged per link, not
+        per connection: on a congested link one TCP stream can starve for seconds while others move."""
+        dead_ms = 3 * self.heartbeat_s * 1000
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            quiet: dict[bytes, list[int]] = {}
+            alive: set[bytes] = set()
+            for fd, link in list(self._fd_link.items()):
+                info = _tcp_info(fd)
+                if info is None or info[0] < dead_ms:
+                    alive.add(link)
+                else:
+                    quiet.setdefault(link, []).append(fd)
+            for link, fds in quiet.items():
+                if link not in alive and self._registry is not None:
+                    for fd in fds:
+                        self._registry.peer_lost(fd, f"sender sent nothing for {3 * self.heartbeat_s:g}s "
+                                                     f"(link down or sender dead)")
+
+    async def _watch_links(self) -> None:
+        """Send-side liveness by progress (module docstring): fail the frames in flight on a link where
+        the receiver showed no sign for 3 heartbeat intervals on any stream."""
+        dead_s = 3 * self.heartbeat_s
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            now = time.monotonic()
+            for streams in list(self._links):
+                for s in streams:
+                    self._sample(s, now)
+                if all(now - s.alive_at >= dead_s for s in streams):
+                    err = PeerLostError(f"receiver silent for {dead_s:g}s: it sent nothing and acknowledged none "
+                                        f"of our bytes (link down or receiver dead)")
+                    for s in streams:
+                        s.fail_all(err)
+
+    def _sample(self, s: _Stream, now: float) -> None:
+        info = _tcp_info(s.fd) if s.fd is not None else None
+        if info is None:  # (re)connecting, or no TCP_INFO here: connect_timeout_s and ack_timeout_s rule
+            s.alive_at = now
+            return
+        heard_ms, acked = info
+        fd, acked_before, then = s.sampled
+        chatter = 2 * _HEARTBEAT_WIRE_BYTES * ((now - then) / self.heartbeat_s + 1)  # our PINGs and PONGs
+        if fd != s.fd or acked - acked_before > chatter:
+            s.alive_at = now
+        s.alive_at = max(s.alive_at, now - heard_ms / 1000)
+        s.sampled = (s.fd, acked, now)
 
     # ---- sender ------------------------------------------------------------------------------
     async def _connect(self, peer: Peer) -> list[_Stream]:
@@ -215,7 +318,8 @@ class ZmqTransport(KVTransport):
             if server_key:
                 sock.curve_serverkey = server_key.encode()
                 sock.curve_publickey, sock.curve_secretkey = public, secret
-            mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            mon = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                          | zmq.EVENT_DISCONNECTED)
             stream = _Stream(sock, mon)
             stream.tasks = [asyncio.create_task(self._read_acks(stream)),
                             asyncio.create_task(self._watch_stream(stream))]
@@ -235,9 +339,12 @@ class ZmqTransport(KVTransport):
     async def _watch_stream(self, stream: _Stream) -> None:
         while True:
             event = parse_monitor_message(await stream.monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                stream.fd = event["value"]
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 stream.connected.set()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                stream.fd = None
                 stream.connected.clear()
                 stream.fail_all(PeerLostError("connection to the receiver dropped mid-transfer"))
 
@@ -301,7 +408,7 @@ class ZmqTransport(KVTransport):
             for plan in plans:
                 header, payload = self._build_frame(rid, plan, tc)
                 stream = min(streams, key=lambda s: s.inflight_bytes)
-                await self._acquire(stream, payload.nbytes, rid)
+                await self._acquire(stream, payload.nbytes, rid, streams)
                 if errors:
                     raise errors[0]
                 if not stream.connected.is_set():
@@ -315,10 +422,10 @@ class ZmqTransport(KVTransport):
                 registered.append((stream, seq))
                 pending.append(fut)
                 await self._bounded(stream.sock.send_multipart([_SEQ.pack(seq), header, payload], copy=False), rid,
-                                    stage="socket send")
+                                    stage="socket send", link=streams)
             total = 0
             for fut in pending:
-                total += await self._bounded(asyncio.shield(fut), rid, stage="acknowledgement")
+                total += await self._bounded(asyncio.shield(fut), rid, stage="acknowledgement", link=streams)
             return total
         except TransferError as exc:
             exc.request_id = exc.request_id or rid
@@ -327,19 +434,45 @@ class ZmqTransport(KVTransport):
             for stream, seq in registered:
                 stream.forget([seq])
 
-    async def _acquire(self, stream: _Stream, nbytes: int, rid: str) -> None:
+    async def _acquire(self, stream: _Stream, nbytes: int, rid: str, link: list[_Stream]) -> None:
         """Backpressure: wait until this frame fits in the stream's unacknowledged window."""
         while stream.inflight and stream.inflight_bytes + nbytes > self.window_bytes:
             stream.released.clear()
-            await self._bounded(stream.released.wait(), rid, stage="in-flight window")
+            await self._bounded(stream.released.wait(), rid, stage="in-flight window", link=link)
 
-    async def _bounded(self, aw: Any, rid: str, timeout_s: float | None = None, stage: str = "") -> Any:
+    async def _bounded(self, aw: Any, rid: str, timeout_s: float | None = None, stage: str = "",
+                       link: list[_Stream] | None = None) -> Any:
+        """Await ``aw``; fail after ``timeout_s`` without progress. With ``link``, progress is also the
+        receiver's TCP acknowledging our bytes, so a frame that takes long to cross a slow link never
+        times out while it moves; heartbeat bytes alone do not count."""
         timeout_s = timeout_s or self.ack_timeout_s
+        task = asyncio.ensure_future(aw)
+        mark = self._acked(link)
+        chatter = 2 * _HEARTBEAT_WIRE_BYTES * (timeout_s / self.heartbeat_s + 1) if self.heartbeat_s > 0 else 0
         try:
-            return await asyncio.wait_for(aw, timeout_s)
-        except asyncio.TimeoutError:
-            raise PeerLostError(f"receiver made no progress (or is unreachable) for {timeout_s}s"
-                                f"{' waiting for ' + stage if stage else ''}", rid) from None
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=timeout_s)
+                if done:
+                    return task.result()
+                now = self._acked(link)
+                moved = sum(max(0, b - mark[fd]) for fd, b in now.items() if fd in mark)
+                if moved <= chatter:
+                    raise PeerLostError(f"receiver made no progress (or is unreachable) for {timeout_s}s"
+                                        f"{' waiting for ' + stage if stage else ''}", rid)
+                mark = now
+        finally:
+            if not task.done():
+                task.cancel()
+
+    @staticmethod
+    def _acked(link: list[_Stream] | None) -> dict[int, int]:
+        """Per connected stream of the link: bytes the receiver's TCP has acknowledged (TCP_INFO)."""
+        out = {}
+        for s in link or ():
+            info = _tcp_info(s.fd) if s.fd is not None else None
+            if info is not None:
+                out[s.fd] = info[1]
+        return out
 
 
 def _log_death(task: asyncio.Task) -> None:
