@@ -3,7 +3,8 @@ prefill, relay and main-decode services drive from a single worker thread.
 
 Lifecycle of a request (see docs/ENGINE.md): add_request -> step()* -> finished StepOutput.
 Disaggregation hooks: hold_kv + request_blocks + release (export side), prepare_import +
-commit_import (import side), extend_known + stop_at (relay -> main handoff).
+commit_import (import side), extend_known + stop_at (relay -> main handoff). The services see only
+the members engine/interface.py's ``EngineBackend`` states.
 
 Why one module: ``Engine`` is one object with one job, the request API over parts that already live
 apart (kv_pool, radix_cache, scheduler, sampling, model); every method reads or changes the same
@@ -30,7 +31,7 @@ from pdd.engine.errors import (
 )
 from pdd.engine.kv_pool import KVPool
 from pdd.engine.model import CausalLM
-from pdd.engine.radix_cache import RadixCache
+from pdd.engine.radix_cache import CacheEvent, RadixCache
 from pdd.engine.request import ImportReservation, Request, Status, StepOutput
 from pdd.engine.sampling import SamplingParams, sample_rows, token_logprobs
 from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
@@ -145,6 +146,21 @@ class Engine:
     @property
     def block_size(self) -> int:
         return self.layout.block_size
+
+    @property
+    def linear_kernel(self) -> str:
+        return self.model.linear_kernel
+
+    def kv_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The pool's per-layer K and V tensors (what a transport registers); see engine/interface.py."""
+        return self.pool.k_cache, self.pool.v_cache
+
+    def has_request(self, rid: str) -> bool:
+        return rid in self.requests
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """The radix cache's stored/removed block events since the last call (empties its queue)."""
+        return self.cache.drain_events()
 
     def num_free_blocks(self) -> int:
         return self.pool.allocator.num_free

@@ -6,7 +6,7 @@ budget and at most ``prefill_chunk_tokens`` per request; then waiting requests a
 arrival order while the batch has room and the pool has blocks for their whole prompt (free
 blocks plus evictable cache). The per-request cap keeps a long prompt from holding the whole
 budget for several steps: the requests queued behind it get their chunks in the same step (vLLM's
-long_prefill_token_threshold; measured on P in bench/pipelines.py, docs/OPERATIONS.md). When a
+long_prefill_token_threshold; measured on P in bench/pipelines.py, docs/BENCHMARKS.md). When a
 running request cannot get a block, the newest running request is preempted: its computed KV goes
 to the radix cache and it is queued again, so it resumes by recompute (mostly a cache hit).
 """

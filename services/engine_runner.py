@@ -13,7 +13,8 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdd.engine import Engine, StepOutput
+from pdd.engine import StepOutput
+from pdd.engine.interface import EngineBackend, load_engine
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.engine_runner")
@@ -23,7 +24,7 @@ OutputCallback = Callable[[StepOutput], None]
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineBackend):
         self.engine = engine
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._callbacks: dict[str, OutputCallback] = {}
@@ -32,9 +33,9 @@ class EngineRunner:
         self.steps = 0
 
     @classmethod
-    async def load(cls, **kwargs: Any) -> "EngineRunner":
-        """Load the model on a worker thread (seconds for real checkpoints)."""
-        engine = await asyncio.to_thread(Engine.from_model, **kwargs)
+    async def load(cls, backend: str = "torch", **kwargs: Any) -> "EngineRunner":
+        """Load the model on a worker thread (seconds for real checkpoints); ``kwargs``: the backend's."""
+        engine = await asyncio.to_thread(load_engine, backend, **kwargs)
         return cls(engine)
 
     def start(self) -> None:

@@ -13,6 +13,7 @@ from nats.errors import Error as NatsError
 
 from pdd.engine import SamplingParams
 from pdd.engine.cpu_features import resolve_dtypes
+from pdd.engine.interface import EngineBackend
 from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from pdd.services.engine_runner import EngineRunner
 from pdd.shared import metrics
@@ -118,7 +119,8 @@ class EngineService(Service):
         self._cache_counted = (0, 0)  # prefix-cache (query, hit) tokens already added to the counters
 
     @property
-    def engine(self):
+    def engine(self) -> EngineBackend:
+        """The engine, seen through its stated interface (engine/interface.py) only."""
         assert self.runner is not None
         return self.runner.engine
 
@@ -142,7 +144,7 @@ class EngineService(Service):
             choice = self.engine.dtype_choice
             log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
                      kv_dtype=choice.kv_dtype, dtype_reason=choice.reason,
-                     linear_kernel=self.engine.model.linear_kernel, layout=self.engine.layout.to_dict(),
+                     linear_kernel=self.engine.linear_kernel, layout=self.engine.layout.to_dict(),
                      kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
             await fleet.check(self.engine.layout, self.config.service.heartbeat_ms / 1000)
         finally:
@@ -181,7 +183,7 @@ class EngineService(Service):
         options = {"bind_host": self.instance.host, **cfg.options}
         transport = create_transport(cfg.name, options)
         await transport.start()
-        transport.register(self.engine.layout, self.engine.k_cache, self.engine.v_cache)
+        transport.register(self.engine.layout, *self.engine.kv_buffers())
         self.transports[kind] = transport
         return transport
 
@@ -226,7 +228,7 @@ class EngineService(Service):
         while True:
             await asyncio.sleep(0.1)
             try:
-                events = await self.runner.call(self.engine.cache.drain_events)
+                events = await self.runner.call(self.engine.drain_cache_events)
                 if events:  # the bus holds publishes across a NATS outage
                     stored = [e.block_hash for e in events if e.kind == "stored"]
                     removed = [e.block_hash for e in events if e.kind == "removed"]
@@ -282,8 +284,9 @@ class EngineService(Service):
     def current_load(self) -> float:
         """0..1: the busier of batch slots and KV blocks (what routing and handoff decisions use)."""
         engine = self.engine
-        running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
-        free_share = engine.num_free_blocks() / max(1, engine.num_total_blocks())
+        stats = engine.stats()
+        running = stats["running"] + stats["waiting"]
+        free_share = stats["free_blocks"] / max(1, stats["total_blocks"])
         return min(1.0, max(running / self.config.model.max_num_seqs, 1 - free_share))
 
     def cache_summary_extra(self) -> dict[str, Any]:

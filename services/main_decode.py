@@ -141,11 +141,11 @@ class MainDecodeService(DecoderService):
     def _if_live(self, rid: str, fn, *args) -> None:
         """Engine thread: act on ``rid`` only if the engine still has it. A step may finish it, or a Cancel
         abort it, after this handler's last check and before this call runs (found by tests/fuzz)."""
-        if rid in self.engine.requests:
+        if self.engine.has_request(rid):
             fn(rid, *args)
 
     def _cache_and_free(self, rid: str, committed: bool) -> None:
-        if committed and rid in self.engine.requests:
+        if committed and self.engine.has_request(rid):
             self.engine.finish_to_cache(rid)
         else:
             self.engine.abort(rid)

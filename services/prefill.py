@@ -166,7 +166,7 @@ class PrefillService(EngineService):
         await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="kv transfer failed"))
 
     def _release(self, rid: str) -> None:
-        if rid in self.engine.requests:
+        if self.engine.has_request(rid):
             self.engine.release(rid)
 
     async def _prefill(self, req: SubmitRequest) -> tuple[int, TokenLogprobs | None, str | None]:

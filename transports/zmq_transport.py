@@ -23,6 +23,11 @@ every ``heartbeat_s``, with a dead time of 3 x ``heartbeat_s``:
   our bytes, so it bounds a receiver that stopped taking data, not a frame still crossing.
 
 All socket work, checksums and copies run in the transport's own thread and event loop.
+
+Why one module: the sender and the receiver are two halves of one wire protocol (the three-part frame,
+its acknowledgement codes, the stream identities that tie a connection to a link) and of one liveness
+rule (each side judges the other by the bytes the other side's half sends); split, each half would
+restate the other's format.
 """
 
 from __future__ import annotations
