@@ -61,7 +61,8 @@ def test_torch_engine_satisfies_the_protocol(engine: Engine) -> None:
             assert (q.default is inspect.Parameter.empty) == (p.default is inspect.Parameter.empty), \
                 f"Engine.{name}: parameter {pname} default differs in presence"
             if p.default is not inspect.Parameter.empty:
-                assert q.default == p.default, f"Engine.{name}: parameter {pname} default {q.default!r} vs {p.default!r}"
+                assert q.default == p.default, (f"Engine.{name}: parameter {pname} default "
+                                                f"{q.default!r} vs {p.default!r}")
 
 
 def test_new_members_behave(engine: Engine) -> None:
