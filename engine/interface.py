@@ -6,7 +6,9 @@ this Protocol and that the services reach no attribute outside it. A backend is 
 a class with these members (structural typing: no base class to inherit):
 
 - ``torch``: ``pdd.engine.Engine`` (engine/engine.py), the embedded default;
-- ``emulated`` and ``vllm`` (planned, ../shared/DESIGN.md "Engine backends").
+- ``emulated``: ``pdd.engine.emulated.EmulatedEngine`` (engine/emulated.py): no weights, cost-model step
+  times, oracle tokens, the real KV pool and radix cache (not yet wired into config or the services);
+- ``vllm`` (planned, ../shared/DESIGN.md "Engine backends").
 
 One fleet runs one backend and one KV layout (``layout``): engines refuse to join a fleet of another.
 
@@ -34,7 +36,7 @@ from pdd.shared.kv_layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("torch",)  # planned: "emulated", "vllm"
+BACKENDS = ("torch", "emulated")  # planned: "vllm"
 
 
 @runtime_checkable
@@ -199,10 +201,16 @@ class EngineBackend(Protocol):
 def load_engine(backend: str = "torch", **kwargs: Any) -> EngineBackend:
     """Construct the engine of ``backend`` (the one place the services name a concrete class).
 
-    ``kwargs``: the torch engine's ``Engine.from_model`` arguments. Raises ``ValueError`` for an unknown
-    backend; what loading raises otherwise (a missing checkpoint, an unsupported architecture)."""
+    ``kwargs``: the torch engine's ``Engine.from_model`` arguments; the emulated engine's
+    ``EmulatedEngine`` arguments (engine/emulated.py: a cost model, time dilation, pool and oracle sizes).
+    Raises ``ValueError`` for an unknown backend; what loading raises otherwise (a missing checkpoint, an
+    unsupported architecture)."""
     if backend == "torch":
         from pdd.engine.engine import Engine
 
         return Engine.from_model(**kwargs)
+    if backend == "emulated":
+        from pdd.engine.emulated import EmulatedEngine
+
+        return EmulatedEngine(**kwargs)
     raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .costmodel import CostModel
+from pdd.shared.cost_model import CostModel
 
 # Public list prices of a 1T-class model API (Moonshot Kimi K2, USD per 1M tokens): input on a cache
 # miss, input on a cache hit (25% = the report's upper discount bound), output.

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .costmodel import CostModel
+from pdd.shared.cost_model import CostModel
+
 from .event_loop import SimInput, SimResult, simulate
 
 

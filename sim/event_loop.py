@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.policy import PolicyConfig, RouteInputs, choose_handoff_mode, choose_pipeline
 
-from .costmodel import CostModel
 from .hardware import WanLink
 
 # Pipeline codes in results: PDD's pipelines, and the baselines' conventional prefill -> decode path.

@@ -1,53 +1,11 @@
-"""Chips, model and WAN link: the physical facts a scenario states (each with its source)."""
+"""The WAN link a scenario states, and the dict-to-dataclass builder for scenario files.
+
+Chips and the model spec live with the cost model in pdd.shared.cost_model (shared with the emulated engine)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
-
-
-@dataclass(frozen=True)
-class Chip:
-    """A chip on the report's four axes plus price (per chip, in any consistent unit)."""
-
-    name: str
-    peak_tflops: float  # dense peak at the serving precision
-    mem_gb: float
-    mem_bw_tbs: float
-    interconnect_gbs: float  # scale-up (NVLink-class) bandwidth per chip, GB/s
-    price: float = 1.0
-    attn_peak_tflops: float = 0.0  # dense peak at the attention precision (0 = peak_tflops)
-
-    @property
-    def attn_tflops(self) -> float:
-        return self.attn_peak_tflops or self.peak_tflops
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the cost model needs of a model: sizes, not weights."""
-
-    name: str
-    layers: int
-    kv_bytes_per_token: float
-    active_params: float  # parameters touched per token (MoE: shared + routed active)
-    weight_bytes: float  # resident weight bytes per instance
-    attn_flops_per_pair: float = 0.0  # prefill: FLOPs per (query token, key token) pair, all layers
-    decode_attn_flops_per_pair: float = 0.0  # decode: the same per pair, in the decode kernel's form
-    experts: int = 0  # routed experts per layer (0 = dense)
-    experts_active: int = 0
-    expert_weight_fraction: float = 0.0  # share of weight_bytes that is routed experts
-
-    @property
-    def flops_per_token(self) -> float:
-        return 2.0 * self.active_params
-
-    def touched_weight_fraction(self, batch: float) -> float:
-        """Expected share of weights read in a decode step of `batch` sequences (MoE routing)."""
-        if self.experts <= 0 or batch <= 0:
-            return 1.0
-        p_untouched = (1.0 - self.experts_active / self.experts) ** batch
-        return (1.0 - self.expert_weight_fraction) + self.expert_weight_fraction * (1.0 - p_untouched)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ import numpy as np
 import yaml
 
 from pdd.loadgen.workload import AgenticConfig, HitDistribution, Workload, agentic_arrays
+from pdd.shared.cost_model import Chip, CostModel, ModelSpec, from_hardware
 from pdd.shared.policy import PolicyConfig
 
-from .costmodel import CostModel, from_hardware
 from .event_loop import SimInput
-from .hardware import Chip, ModelSpec, WanLink, build
+from .hardware import WanLink, build
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 

@@ -82,7 +82,7 @@ def test_new_members_behave(engine: Engine) -> None:
 
 
 def test_load_engine(llama_path) -> None:
-    assert BACKENDS == ("torch",)
+    assert BACKENDS == ("torch", "emulated")
     with pytest.raises(ValueError, match="unknown engine backend"):
         load_engine("nope")
     eng = load_engine("torch", path=llama_path, num_blocks=8, block_size=4, load_tokenizer=False)

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
+from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import ROUTABLE
-from pdd.sim.costmodel import CostModel
 from pdd.sim.event_loop import BASELINE_PD, P_D, P_RLD, P_RLD_MD, PIPELINE_NAMES, SimInput, simulate
 from pdd.sim.hardware import WanLink
 from pdd.sim.scenario import Scenario, load_yaml, unit_poisson

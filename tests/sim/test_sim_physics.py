@@ -6,9 +6,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pdd.sim.costmodel import from_hardware
+from pdd.shared.cost_model import Chip, ModelSpec, from_hardware
 from pdd.sim.event_loop import SimInput, simulate
-from pdd.sim.hardware import Chip, ModelSpec, WanLink
+from pdd.sim.hardware import WanLink
 from pdd.sim.report import Reproduction
 from pdd.sim.scenario import Scenario, load_yaml, set_path
 

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from pdd.loadgen.workload import AgenticConfig, agentic_arrays
+from pdd.shared.cost_model import CostModel
 from pdd.sim.calibrate import BenchRun, compare, fit, predict, to_bench_json
-from pdd.sim.costmodel import CostModel
 from pdd.sim.event_loop import SimInput, simulate
 from pdd.sim.scenario import unit_poisson
 

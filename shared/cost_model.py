@@ -1,17 +1,64 @@
-"""Per-instance cost model: how long a prefill, a decode step and an extend take.
+"""The cost model, shared by the simulator (pdd.sim) and the emulated engine (pdd.engine.emulated).
 
-Roofline-shaped and linear in its coefficients, so the same form can be derived from chip
-datasheets (`from_hardware`) or fitted to live measurements (`pdd sim calibrate`).
+Chips and model: the physical facts a scenario states. ``CostModel``: how long a prefill, a decode step
+and an extend take on one instance (a group of chips holding one model replica). Roofline-shaped and
+linear in its coefficients, so the same form can be derived from chip datasheets (``from_hardware``) or
+fitted to live measurements (``pdd sim calibrate``). Pure data and maths: imports nothing else of pdd
+(pyproject's [tool.importlinter] "shared" contract), so both the simulator and the engine may import it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from .hardware import Chip, ModelSpec
+
+@dataclass(frozen=True)
+class Chip:
+    """A chip on the report's four axes plus price (per chip, in any consistent unit)."""
+
+    name: str
+    peak_tflops: float  # dense peak at the serving precision
+    mem_gb: float
+    mem_bw_tbs: float
+    interconnect_gbs: float  # scale-up (NVLink-class) bandwidth per chip, GB/s
+    price: float = 1.0
+    attn_peak_tflops: float = 0.0  # dense peak at the attention precision (0 = peak_tflops)
+
+    @property
+    def attn_tflops(self) -> float:
+        return self.attn_peak_tflops or self.peak_tflops
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cost model needs of a model: sizes, not weights."""
+
+    name: str
+    layers: int
+    kv_bytes_per_token: float
+    active_params: float  # parameters touched per token (MoE: shared + routed active)
+    weight_bytes: float  # resident weight bytes per instance
+    attn_flops_per_pair: float = 0.0  # prefill: FLOPs per (query token, key token) pair, all layers
+    decode_attn_flops_per_pair: float = 0.0  # decode: the same per pair, in the decode kernel's form
+    experts: int = 0  # routed experts per layer (0 = dense)
+    experts_active: int = 0
+    expert_weight_fraction: float = 0.0  # share of weight_bytes that is routed experts
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.active_params
+
+    def touched_weight_fraction(self, batch: float) -> float:
+        """Expected share of weights read in a decode step of `batch` sequences (MoE routing)."""
+        if self.experts <= 0 or batch <= 0:
+            return 1.0
+        p_untouched = (1.0 - self.experts_active / self.experts) ** batch
+        return (1.0 - self.expert_weight_fraction) + self.expert_weight_fraction * (1.0 - p_untouched)
+
 
 
 @dataclass(frozen=True)
@@ -51,6 +98,25 @@ class CostModel:
         """Extend-Decode: k known tokens in one pass cost about one step plus their FLOPs."""
         return self.step_time(batch + 1, ctx_tokens) + self.p_tok * tokens
 
+    def batch_time(self, decode_ctx: Sequence[int], prompt_chunks: Sequence[tuple[int, int]] = (),
+                   extend_chunks: Sequence[tuple[int, int]] = ()) -> float:
+        """One engine step that mixes work (continuous batching, chunked prefill), as the emulated engine runs it.
+
+        ``decode_ctx``: per decoding sequence, the tokens it attends (its context after this step).
+        ``prompt_chunks``: (new tokens, tokens already computed) per prefill chunk; the step pays the fixed
+        prefill cost ``p0`` once, plus each chunk's token and attention FLOPs (``prefill_time`` less ``p0``).
+        ``extend_chunks``: (known tokens, tokens already computed) per extend pass: each joins the decode
+        batch as one sequence and adds its tokens' FLOPs (``extend_time``'s form).
+        No work: 0."""
+        t = 0.0
+        batch = len(decode_ctx) + len(extend_chunks)
+        if batch:
+            ctx = sum(decode_ctx) + sum(start + n for n, start in extend_chunks)
+            t += self.step_time(batch, ctx) + self.p_tok * sum(n for n, _ in extend_chunks)
+        if prompt_chunks:
+            t += self.p0 + sum(self.prefill_time(n, start) - self.p0 for n, start in prompt_chunks)
+        return t
+
     @property
     def p_sigma(self) -> float:
         """Log-spread of the service-time multipliers (a one-number summary of `p_noise`)."""
@@ -63,7 +129,7 @@ class CostModel:
         out["p_sigma"] = self.p_sigma
         return out
 
-    def with_(self, **changes: Any) -> "CostModel":
+    def with_(self, **changes: Any) -> CostModel:
         return replace(self, **changes)
 
 

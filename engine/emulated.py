@@ -1,0 +1,279 @@
+"""The emulated engine backend: no weights; step times from the cost model; tokens from a deterministic oracle.
+
+First increment of issue #27 (see docs/ENGINE.md "Emulated backend"). ``EmulatedEngine`` keeps everything of
+the torch ``Engine`` that is not the model: the request table, the real paged KV pool (``KVPool``), the radix
+prefix cache (``RadixCache``), the continuous-batching scheduler (chunked prefill, extend, preemption), the
+export/import and handoff calls. It subclasses ``Engine`` so those paths are the very same code, not a copy,
+and replaces only what the model did:
+
+- *Tokens.* ``TokenOracle``: the next token is a seeded hash of (oracle seed, absolute position, the last
+  ``window`` token ids) mod the vocabulary. It depends on the tokens so far only, so a request continued by
+  another engine (``commit_import``/``extend_known`` with the tokens so far, as at handoff) yields exactly
+  the tokens one engine alone yields. Greedy-equivalent: temperature, top-k/p, penalties and the request's
+  sampling seed are ignored; logprobs are not produced (``None``). EOS: with ``eos_rate`` 0 (the default)
+  the oracle never emits an EOS id, so ``max_new_tokens`` (or ``stop_at``) sets every length, as a benchmark
+  with ``ignore_eos`` would; with ``eos_rate`` p > 0 it emits the first EOS id with probability p per output
+  position (a hash too, so also handoff-exact), never for a request with ``ignore_eos`` or before its
+  ``min_tokens``. ``stop_token_ids`` end a request when drawn (masked before ``min_tokens``); ``stop``
+  strings are ignored (no tokenizer).
+- *Step times.* Each step's modeled duration is ``CostModel.batch_time`` of its batch (decode sequences and
+  their context, prefill chunks, extend passes) times ``time_dilation``; the step then sleeps until
+  ``start + duration`` (``time.sleep(max(0, deadline - now))``), so the emulator's own CPU time is paid out
+  of the step budget, as Dynamo's mocker does. A step whose deadline had already passed counts in
+  ``stats()["overrun_steps"]`` (the box could not keep up).
+- *KV bytes.* The pool is a real ``KVPool`` with a small layout (default 2 layers x 1 KV head x 8 dims,
+  float32): every computed token writes its token id into K and its position into V (all layers, all
+  dims), so the bytes the transports move are real and checkable. Scaling those bytes to the modeled
+  ``kv_bytes_per_token / scale`` is a later step.
+
+Capacity: ``num_blocks`` blocks of ``block_size`` tokens; by default the cost model's ``kv_capacity_tokens``
+(from ``from_hardware``: chip memory less weights), else 1024 blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdd.engine.cpu_features import DtypeChoice
+from pdd.engine.engine import Engine
+from pdd.engine.kv_pool import KVPool
+from pdd.engine.radix_cache import RadixCache
+from pdd.engine.request import Request, StepOutput
+from pdd.engine.sampling import SamplingParams
+from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
+from pdd.shared.cost_model import Chip, CostModel, ModelSpec, from_hardware
+from pdd.shared.kv_layout import KVLayout
+
+DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_NUM_BLOCKS = 1024  # when the cost model states no KV capacity
+_UNBOUNDED = 1 << 40  # CostModel's default kv_capacity_tokens: "no capacity stated"
+
+
+@dataclass(frozen=True)
+class EmulatedModelConfig:
+    """What the request checks read of a model config (``Engine`` validates token ids against ``vocab_size``)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+
+
+class TokenOracle:
+    """The next token as a seeded hash of the tokens so far: the same on every engine of a fleet."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], seed: int = 0, window: int = 8,
+                 eos_rate: float = 0.0) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        if window < 1:
+            raise ValueError(f"oracle window must be >= 1, got {window}")
+        if not 0.0 <= eos_rate <= 1.0:
+            raise ValueError(f"eos_rate must be in [0, 1], got {eos_rate}")
+        if eos_rate > 0 and not eos_token_ids:
+            raise ValueError("eos_rate > 0 needs an EOS token id")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.seed = int(seed) & ((1 << 63) - 1)
+        self.window = window
+        self.eos_rate = float(eos_rate)
+
+    def _hash(self, tokens: Sequence[int], salt: int) -> tuple[int, float]:
+        tail = tokens[-self.window:]
+        data = struct.pack(f"<qqq{len(tail)}q", self.seed, len(tokens), salt, *tail)
+        d = hashlib.blake2b(data, digest_size=16).digest()
+        return int.from_bytes(d[:8], "little"), int.from_bytes(d[8:], "little") / 2.0**64
+
+    def next_token(self, tokens: Sequence[int], num_outputs: int, params: SamplingParams) -> int:
+        """The token after ``tokens`` (prompt plus outputs so far; ``num_outputs`` of them are outputs)."""
+        h, u = self._hash(tokens, 0)
+        early = num_outputs < params.min_tokens
+        if self.eos_rate > 0 and not params.ignore_eos and not early and u < self.eos_rate:
+            return self.eos_token_ids[0]
+        banned = set(self.eos_token_ids)
+        if early:
+            banned.update(params.stop_token_ids)
+        salt = 0
+        tok = h % self.vocab_size
+        while tok in banned:  # redraw (the vocabulary is far larger than the banned set)
+            salt += 1
+            tok = self._hash(tokens, salt)[0] % self.vocab_size
+        return tok
+
+
+class EmulatedEngine(Engine):
+    """An ``EngineBackend`` with the real KV pool, radix cache and scheduler, timed by a ``CostModel``."""
+
+    def __init__(
+        self,
+        cost_model: CostModel | None = None,
+        *,
+        time_dilation: float = 1.0,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        eos_token_ids: Sequence[int] = (DEFAULT_VOCAB_SIZE - 1,),
+        eos_rate: float = 0.0,
+        oracle_seed: int = 0,
+        oracle_window: int = 8,
+        num_layers: int = 2,
+        kv_heads: int = 1,
+        head_dim: int = 8,
+        kv_dtype: str = "float32",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_prefill_tokens: int = 4096,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        max_model_len: int | None = None,
+        enable_prefix_cache: bool = True,
+        cache_finished: bool = True,
+        write_kv: bool = True,
+    ) -> None:
+        """``time_dilation`` k: every modeled duration is multiplied by k (k > 0). Other arguments: as
+        ``Engine`` (pool, scheduler, cache) and the module docstring (oracle, KV layout)."""
+        # Engine.__init__ builds a model; everything else it sets is set here the same way.
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        if not time_dilation > 0:
+            raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
+        self.cost_model = cost_model or CostModel()
+        self.time_dilation = float(time_dilation)
+        eos = [int(t) for t in eos_token_ids]
+        if any(not 0 <= t < vocab_size for t in eos):
+            raise ValueError(f"EOS ids {eos} outside the vocabulary [0, {vocab_size})")
+        self.oracle = TokenOracle(vocab_size, eos, oracle_seed, oracle_window, eos_rate)
+        max_pos = max_model_len or (1 << 31)
+        self.config = EmulatedModelConfig(vocab_size, tuple(eos), max_pos)  # type: ignore[assignment]
+        self.model = None  # type: ignore[assignment]
+        self.tokenizer = None
+        self.dtype_choice = DtypeChoice(kv_dtype, kv_dtype, "emulated backend: no weights")
+        self.layout = KVLayout(num_layers=num_layers, block_size=block_size, kv_heads=kv_heads,
+                               head_dim=head_dim, dtype=kv_dtype)
+        if num_blocks is None:
+            cap = self.cost_model.kv_capacity_tokens
+            num_blocks = cap // block_size if cap < _UNBOUNDED else DEFAULT_NUM_BLOCKS
+        self.pool = KVPool(self.layout, num_blocks)
+        self.cache = RadixCache(self.pool.allocator, block_size)
+        self.scheduler = Scheduler(
+            self.pool.allocator, self.cache, block_size, max_num_seqs, max_prefill_tokens, enable_prefix_cache,
+            prefill_chunk_tokens,
+        )
+        self.max_context = min(max_pos, num_blocks * block_size)
+        self.enable_prefix_cache = enable_prefix_cache
+        self.decode_accum = torch.float64
+        self.cache_finished = cache_finished
+        self.eos_token_ids = eos
+        self.requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []
+        self.num_forward_tokens = 0
+        self.capture_logits = False
+        self.captured_logits: dict[str, list[torch.Tensor]] = {}
+        self.write_kv = write_kv
+        # pacing counters (stats())
+        self.steps = 0
+        self.overrun_steps = 0
+        self.modeled_seconds = 0.0  # sum of modeled step durations, before dilation
+        self.overrun_seconds = 0.0  # wall time past the deadlines of overrun steps
+        self.last_step_modeled_s = 0.0
+
+    @classmethod
+    def from_hardware(cls, chip: Chip, chips: int, model: ModelSpec, *, mfu: float = 0.4, mbu: float = 0.7,
+                      mem_util: float = 0.9, p0: float = 0.02, d0: float = 0.005, **kwargs: Any) -> EmulatedEngine:
+        """An engine timed like ``chips`` x ``chip`` serving ``model`` (the simulator's ``from_hardware``; the
+        defaults are a scenario's utilisation defaults, sim/scenario.py)."""
+        return cls(from_hardware(chip, chips, model, mfu, mbu, mem_util, p0, d0), **kwargs)
+
+    # ---- what differs from the torch engine ----------------------------------------------------
+    @property
+    def linear_kernel(self) -> str:
+        return "emulated (cost model)"
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(
+            steps=self.steps,
+            overrun_steps=self.overrun_steps,
+            overrun_share=self.overrun_steps / self.steps if self.steps else 0.0,
+            overrun_seconds=self.overrun_seconds,
+            modeled_seconds=self.modeled_seconds,
+            time_dilation=self.time_dilation,
+        )
+        return out
+
+    def step(self) -> list[StepOutput]:
+        """As ``Engine.step`` (same scheduling, finishes and outputs), with the forward pass replaced by the
+        cost model's duration, the oracle's tokens and the KV pattern writes; sleeps to the step's deadline."""
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        for req in [r for r in self.scheduler.running if r.check_known]:
+            req.check_known = False
+            reason = self._known_finish_reason(req)
+            if reason:
+                self._finish(req, reason)
+                outputs.append(StepOutput(req.rid, [], req.num_outputs, True, reason))
+        decode, prefill = self.scheduler.schedule()
+        if not decode and not prefill:
+            return outputs
+        modeled = self.cost_model.batch_time(
+            [r.num_computed + 1 for r in decode],
+            [(n, r.num_computed) for r, n in prefill if r.num_computed < r.prompt_len],
+            [(n, r.num_computed) for r, n in prefill if r.num_computed >= r.prompt_len],
+        )
+        chunks = [(r, r.num_computed, 1) for r in decode] + [(r, r.num_computed, n) for r, n in prefill]
+        if self.write_kv:
+            self._write_kv(chunks)
+        sample_reqs = list(decode)
+        sample_reqs += [r for r, n in prefill if r.num_computed + n == len(r.tokens) and not r.paused]
+        for r, _, n in chunks:
+            r.num_computed += n
+        self.num_forward_tokens += sum(n for _, _, n in chunks)
+        for req in sample_reqs:
+            position = req.num_outputs
+            tok = self.oracle.next_token(req.tokens, position, req.params)
+            req.tokens.append(tok)
+            reason = self._finish_reason(req, tok)
+            if reason:
+                self._finish(req, reason)
+            outputs.append(StepOutput(req.rid, [tok], position, reason is not None, reason, None))
+        self._pace(t0, modeled)
+        return outputs
+
+    def _write_kv(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """K := token id, V := position, for every token computed this step (all layers, heads and dims)."""
+        bs = self.block_size
+        slots, toks, poss = [], [], []
+        for req, start, n in chunks:
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(req.block_table, dtype=torch.long)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            toks.append(torch.tensor(req.tokens[start:start + n]))
+            poss.append(pos)
+        idx = torch.cat(slots)
+        dtype = self.layout.torch_dtype
+        kval = torch.cat(toks).to(dtype)[:, None, None]
+        vval = torch.cat(poss).to(dtype)[:, None, None]
+        shape = (-1, self.layout.kv_heads, self.layout.head_dim)
+        for k, v in zip(self.pool.k_cache, self.pool.v_cache):
+            k.view(shape)[idx] = kval.expand(-1, *shape[1:])
+            v.view(shape)[idx] = vval.expand(-1, *shape[1:])
+
+    def _pace(self, t0: float, modeled: float) -> None:
+        """Sleep until ``t0 + modeled x time_dilation``; count the step as overrun when that has passed."""
+        self.steps += 1
+        self.modeled_seconds += modeled
+        self.last_step_modeled_s = modeled
+        deadline = t0 + modeled * self.time_dilation
+        now = time.perf_counter()
+        if now > deadline:
+            self.overrun_steps += 1
+            self.overrun_seconds += now - deadline
+            return
+        time.sleep(deadline - now)
+
+
+__all__ = ["EmulatedEngine", "EmulatedModelConfig", "TokenOracle"]

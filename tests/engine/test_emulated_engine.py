@@ -1,0 +1,269 @@
+"""The emulated backend (engine/emulated.py): the EngineBackend contract, handoff-exact oracle tokens, the real
+KV pool and radix cache (prefix hits, freeing, export/import of real bytes) and cost-model pacing."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+
+from pdd.engine.emulated import EmulatedEngine, TokenOracle
+from pdd.engine.errors import EngineInputError, UnknownRequestError
+from pdd.engine.interface import BACKENDS, EngineBackend, load_engine
+from pdd.engine.sampling import SamplingParams
+from pdd.shared.cost_model import Chip, CostModel, ModelSpec
+
+from .test_engine_interface import protocol_members
+
+FREE = CostModel(p0=0.0, p_tok=0.0, d0=0.0)  # every step modeled at 0 s: tests that are not about time
+
+
+def make(**kw) -> EmulatedEngine:
+    kw.setdefault("num_blocks", 64)
+    kw.setdefault("block_size", 4)
+    kw.setdefault("vocab_size", 1000)
+    kw.setdefault("eos_token_ids", (999,))
+    return EmulatedEngine(kw.pop("cost_model", FREE), **kw)
+
+
+def run_all(engine: EmulatedEngine) -> dict[str, list[int]]:
+    """Step until idle; each request's new tokens (checking their output positions are contiguous)."""
+    out: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    while engine.has_work():
+        for o in engine.step():
+            toks = out.setdefault(o.rid, [])
+            if o.token_ids:
+                assert o.start_position == first.setdefault(o.rid, o.start_position) + len(toks)
+            toks.extend(o.token_ids)
+    return out
+
+
+PROMPT = [(7 * i + 3) % 997 for i in range(21)]  # 5 full blocks of 4 and one token
+
+
+# ---- the contract --------------------------------------------------------------------------------------
+def test_satisfies_the_protocol() -> None:
+    engine = make()
+    assert isinstance(engine, EngineBackend)
+    for name, member in protocol_members().items():
+        assert hasattr(engine, name), f"EmulatedEngine lacks {name}"
+        if isinstance(member, property):
+            assert not callable(getattr(engine, name)), f"EmulatedEngine.{name} should be a value"
+            continue
+        want, have = inspect.signature(member), inspect.signature(getattr(EmulatedEngine, name))
+        assert list(have.parameters) == list(want.parameters), f"{name}{have} vs {name}{want}"
+        for pname, p in want.parameters.items():
+            q = have.parameters[pname]
+            assert q.kind == p.kind and q.default == p.default, f"EmulatedEngine.{name}: parameter {pname}"
+    k, v = engine.kv_buffers()
+    assert len(k) == len(v) == engine.layout.num_layers
+    assert k[0].shape == (engine.num_total_blocks(), engine.block_size, engine.layout.kv_heads, engine.layout.head_dim)
+    assert engine.kv_buffers()[0][0] is k[0]  # the same tensors for the engine's lifetime
+    assert engine.dtype_choice.kv_dtype == engine.layout.dtype == "float32"
+    assert engine.eos_token_ids == [999] and engine.block_size == 4 and engine.max_context == 64 * 4
+    assert "emulated" in engine.linear_kernel
+    for key in ("running", "waiting", "free_blocks", "total_blocks", "cached_blocks", "evictable_blocks",
+                "cache_queries", "cache_hit_tokens", "cache_query_tokens", "cache_hit_rate", "preemptions",
+                "steps", "overrun_steps", "overrun_share", "modeled_seconds", "time_dilation"):
+        assert key in engine.stats(), key
+
+
+def test_load_engine_builds_it() -> None:
+    assert "emulated" in BACKENDS
+    eng = load_engine("emulated", cost_model=FREE, num_blocks=8, block_size=4, time_dilation=0.5)
+    assert isinstance(eng, EmulatedEngine) and isinstance(eng, EngineBackend)
+    assert eng.num_total_blocks() == 8 and eng.time_dilation == 0.5
+
+
+def test_bad_input_is_refused_like_the_torch_engine() -> None:
+    engine = make()
+    with pytest.raises(EngineInputError):
+        engine.add_request("a", [1, 5000])  # outside the vocabulary
+    with pytest.raises(EngineInputError):
+        engine.add_request("a", [])
+    with pytest.raises(UnknownRequestError):
+        engine.release("nope")
+    engine.add_request("a", [1, 2])
+    with pytest.raises(EngineInputError):
+        engine.add_request("a", [1, 2])
+    assert engine.has_request("a") and not engine.has_request("b")
+
+
+# ---- tokens -----------------------------------------------------------------------------------------
+def test_tokens_are_deterministic_and_independent_of_batch_and_engine() -> None:
+    alone = make().generate([PROMPT], max_new_tokens=12)[0]
+    assert len(alone) == 12 and all(0 <= t < 999 for t in alone)  # eos_rate 0: never the EOS id
+    other = make(num_blocks=200)
+    others = [[5, 6, 7, 8, 9] * i for i in range(1, 5)]
+    batched = other.generate(others + [PROMPT], max_new_tokens=12)[-1]
+    assert batched == alone
+    assert make(oracle_seed=1).generate([PROMPT], max_new_tokens=12)[0] != alone  # the seed matters
+
+
+def test_handoff_yields_one_engines_tokens() -> None:
+    """P->RLD->MD: A runs the prompt and 7 outputs holding its KV; B imports the prompt's KV (reusing the
+    block it already caches), commits with the first token, extends by the rest and continues: B's tokens
+    equal one engine's. So does a migration (add_request with known_outputs)."""
+    alone = make().generate([PROMPT], max_new_tokens=20)[0]
+
+    a = make()
+    a.add_request("r", PROMPT, max_new_tokens=7, hold_kv=True)
+    first = run_all(a)["r"]
+    assert first == alone[:7]
+    src = a.request_blocks("r")
+    assert len(src) == 6  # ceil(21 / 4)
+
+    b = make()
+    b.generate([PROMPT[:6]], max_new_tokens=1)  # B's cache now holds the prompt's first block
+    res = b.prepare_import("r", PROMPT)
+    assert res.cached_tokens == 4 and len(res.dst_blocks) == 5 and res.all_blocks[1:] == res.dst_blocks
+    ka, va = a.kv_buffers()
+    kb, vb = b.kv_buffers()
+    for layer in range(a.layout.num_layers):  # what a transport does: copy the blocks B lacks
+        kb[layer][res.dst_blocks] = ka[layer][src[1:]]
+        vb[layer][res.dst_blocks] = va[layer][src[1:]]
+    a.release("r")
+    b.commit_import("r", PROMPT, first[:1], max_new_tokens=20)
+    b.extend_known("r", first[1:])
+    rest = run_all(b)["r"]
+    assert first + rest == alone
+
+    # the imported bytes are A's: K holds each prompt token's id, V its position
+    table = res.all_blocks
+    for i, tok in enumerate(PROMPT):
+        blk, slot = table[i // 4], i % 4
+        assert kb[1][blk, slot, 0, 0].item() == tok and vb[0][blk, slot, 0, 3].item() == i
+
+    c = make()
+    c.add_request("m", PROMPT, max_new_tokens=20, known_outputs=alone[:9])
+    assert alone[:9] + run_all(c)["m"] == alone
+
+
+def test_paused_catch_up_then_resume_yields_one_engines_tokens() -> None:
+    """MD's catch-up: import, pause, extend by known tokens in batches (no sampling), resume, continue."""
+    alone = make().generate([PROMPT], max_new_tokens=16)[0]
+    md = make()
+    md.prepare_import("r", PROMPT)  # KV content is not read by the oracle: the copy is the other test's
+    md.commit_import("r", PROMPT, alone[:1], max_new_tokens=16)
+    md.pause("r")
+    assert run_all(md) == {}  # extends the first token, samples nothing
+    md.extend_known("r", alone[1:4])
+    md.extend_known("r", alone[4:6])
+    assert run_all(md) == {}
+    md.resume("r")
+    assert alone[:6] + run_all(md)["r"] == alone
+    assert md.num_free_blocks() + md.stats()["evictable_blocks"] == md.num_total_blocks()
+
+
+def test_eos_stop_tokens_and_min_tokens() -> None:
+    eng = make(eos_rate=0.5)
+    eng.add_request("e", PROMPT, max_new_tokens=50)
+    out = run_all(eng)["e"]
+    assert out[-1] == 999 and 999 not in out[:-1] and len(out) < 50
+    eng.add_request("i", PROMPT, SamplingParams(ignore_eos=True), max_new_tokens=50)
+    assert 999 not in run_all(eng)["i"]
+    eng.add_request("m", PROMPT, SamplingParams(min_tokens=30), max_new_tokens=50)
+    assert 999 not in run_all(eng)["m"][:30]
+    plain = make().generate([PROMPT], max_new_tokens=10)[0]
+    stop = make()
+    stop.add_request("s", PROMPT, SamplingParams(stop_token_ids=[plain[4]]), max_new_tokens=10)
+    assert run_all(stop)["s"] == plain[:5]
+    stop.add_request("s", PROMPT, max_new_tokens=10)
+    stop.stop_at("s", 3)
+    assert run_all(stop)["s"] == plain[:3]
+
+
+def test_oracle_redraws_banned_tokens() -> None:
+    oracle = TokenOracle(2, [1])  # a vocabulary of one token besides EOS
+    assert {oracle.next_token([0, 0, 0][:n], 0, SamplingParams()) for n in range(1, 4)} == {0}
+
+
+# ---- KV accounting -------------------------------------------------------------------------------------
+def test_prefix_cache_hit_on_a_shared_prefix() -> None:
+    engine = make()
+    engine.generate([PROMPT], max_new_tokens=3)
+    second = PROMPT[:16] + [1, 2, 3, 4, 5, 6]
+    assert engine.cached_prefix_len(second) == 16
+    before = engine.num_forward_tokens
+    engine.add_request("b", second, max_new_tokens=1)
+    run_all(engine)
+    assert engine.num_forward_tokens - before == len(second) - 16  # only the uncached tokens are computed
+    s = engine.stats()
+    assert s["cache_hit_tokens"] >= 16 and s["cache_hit_rate"] > 0
+    stored = [e for e in engine.drain_cache_events() if e.kind == "stored"]
+    assert tuple(PROMPT[:4]) in {e.token_ids for e in stored}  # the router's prefix index hears of it
+    assert engine.drain_cache_events() == []
+
+
+def test_blocks_are_freed_after_finish_and_abort() -> None:
+    engine = make()
+    engine.add_request("f", PROMPT, max_new_tokens=5)
+    engine.add_request("x", [3] * 30, max_new_tokens=50)
+    engine.step()
+    engine.step()
+    assert engine.num_free_blocks() < engine.num_total_blocks()
+    engine.abort("x")
+    run_all(engine)
+    s = engine.stats()
+    assert s["cached_blocks"] == s["evictable_blocks"] > 0  # the finished request's KV, cached, unlocked
+    assert engine.num_free_blocks() == engine.num_total_blocks() - s["evictable_blocks"]
+    nocache = make(cache_finished=False)
+    nocache.add_request("f", PROMPT, max_new_tokens=5)
+    nocache.add_request("x", [3] * 30, max_new_tokens=50)
+    nocache.step()
+    nocache.abort("x")
+    run_all(nocache)
+    assert nocache.num_free_blocks() == nocache.num_total_blocks()
+
+
+def test_a_small_pool_preempts_and_evicts_without_changing_tokens() -> None:
+    prompts = [[(i * 31 + j) % 900 for j in range(17)] for i in range(6)]
+    want = make(num_blocks=400).generate(prompts, max_new_tokens=16)
+    small = make(num_blocks=24)
+    assert small.generate(prompts, max_new_tokens=16) == want
+    assert small.stats()["preemptions"] > 0
+    assert small.num_free_blocks() + small.stats()["evictable_blocks"] == small.num_total_blocks()
+
+
+def test_capacity_from_the_hardware_profile() -> None:
+    chip = Chip(name="tiny", peak_tflops=100, mem_gb=1.0, mem_bw_tbs=1.0, interconnect_gbs=100)
+    model = ModelSpec(name="m", layers=4, kv_bytes_per_token=1e6, active_params=1e8, weight_bytes=0.5e9)
+    eng = EmulatedEngine.from_hardware(chip, 1, model, mem_util=1.0, block_size=4)
+    assert eng.cost_model.kv_capacity_tokens == 500
+    assert eng.num_total_blocks() == 125
+
+
+# ---- pacing ---------------------------------------------------------------------------------------------
+def test_a_step_waits_out_its_modeled_time() -> None:
+    cm = CostModel(p0=0.05, p_tok=0.0, p_attn=0.0, d0=0.02, d_seq=0.001, d_ctx=0.0001)
+    engine = make(cost_model=cm, time_dilation=2.0)
+    engine.add_request("t", PROMPT, max_new_tokens=3)
+    t = time.perf_counter()
+    engine.step()  # the whole prompt in one prefill chunk: p0
+    assert time.perf_counter() - t >= 0.1
+    assert engine.last_step_modeled_s == pytest.approx(0.05)
+    t = time.perf_counter()
+    engine.step()  # one decode: d0 + d_seq + d_ctx x 22 attended tokens
+    want = 0.02 + 0.001 + 0.0001 * 22
+    assert engine.last_step_modeled_s == pytest.approx(want)
+    assert time.perf_counter() - t >= 2.0 * want
+    s = engine.stats()
+    assert s["steps"] == 2 and s["modeled_seconds"] == pytest.approx(0.05 + want)
+
+
+def test_overrun_steps_are_counted() -> None:
+    engine = make(cost_model=CostModel(p0=0.01, d0=0.01), time_dilation=1e-12)  # deadlines already past
+    engine.generate([PROMPT], max_new_tokens=4)
+    s = engine.stats()
+    assert s["steps"] == 4 and s["overrun_steps"] == 4 and s["overrun_share"] == 1.0
+
+
+def test_batch_time_mixes_decode_prefill_and_extend() -> None:
+    cm = CostModel(p0=1.0, p_tok=0.1, p_attn=0.01, d0=0.5, d_seq=0.2, d_ctx=0.001)
+    assert cm.batch_time([]) == 0.0
+    assert cm.batch_time([], [(10, 0)]) == pytest.approx(cm.prefill_time(10, 0))
+    assert cm.batch_time([], [(10, 0), (4, 8)]) == pytest.approx(cm.prefill_time(10, 0) + cm.prefill_time(4, 8) - 1.0)
+    assert cm.batch_time([30, 50]) == pytest.approx(cm.step_time(2, 80))
+    assert cm.batch_time([30], extend_chunks=[(5, 20)]) == pytest.approx(cm.extend_time(5, 1, 55))
