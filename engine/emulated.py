@@ -43,11 +43,9 @@ import torch
 
 from pdd.engine.cpu_features import DtypeChoice
 from pdd.engine.engine import Engine
-from pdd.engine.kv_pool import KVPool
-from pdd.engine.radix_cache import RadixCache
 from pdd.engine.request import Request, StepOutput
 from pdd.engine.sampling import SamplingParams
-from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
+from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
 from pdd.shared.cost_model import Chip, CostModel, ModelSpec, from_hardware
 from pdd.shared.kv_layout import KVLayout
 
@@ -136,9 +134,7 @@ class EmulatedEngine(Engine):
     ) -> None:
         """``time_dilation`` k: every modeled duration is multiplied by k (k > 0). Other arguments: as
         ``Engine`` (pool, scheduler, cache) and the module docstring (oracle, KV layout)."""
-        # Engine.__init__ builds a model; everything else it sets is set here the same way.
-        if prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        # Engine.__init__ builds a model; the rest (pool, cache, scheduler, request table) is _init_serving's.
         if not time_dilation > 0:
             raise ValueError(f"time_dilation must be > 0, got {time_dilation}")
         self.cost_model = cost_model or CostModel()
@@ -157,22 +153,9 @@ class EmulatedEngine(Engine):
         if num_blocks is None:
             cap = self.cost_model.kv_capacity_tokens
             num_blocks = cap // block_size if cap < _UNBOUNDED else DEFAULT_NUM_BLOCKS
-        self.pool = KVPool(self.layout, num_blocks)
-        self.cache = RadixCache(self.pool.allocator, block_size)
-        self.scheduler = Scheduler(
-            self.pool.allocator, self.cache, block_size, max_num_seqs, max_prefill_tokens, enable_prefix_cache,
-            prefill_chunk_tokens,
-        )
-        self.max_context = min(max_pos, num_blocks * block_size)
-        self.enable_prefix_cache = enable_prefix_cache
+        self._init_serving(num_blocks, max_pos, eos, max_num_seqs, max_prefill_tokens, prefill_chunk_tokens,
+                           enable_prefix_cache, cache_finished)
         self.decode_accum = torch.float64
-        self.cache_finished = cache_finished
-        self.eos_token_ids = eos
-        self.requests: dict[str, Request] = {}
-        self._pending: list[StepOutput] = []
-        self.num_forward_tokens = 0
-        self.capture_logits = False
-        self.captured_logits: dict[str, list[torch.Tensor]] = {}
         self.write_kv = write_kv
         # pacing counters (stats())
         self.steps = 0
@@ -209,13 +192,7 @@ class EmulatedEngine(Engine):
         """As ``Engine.step`` (same scheduling, finishes and outputs), with the forward pass replaced by the
         cost model's duration, the oracle's tokens and the KV pattern writes; sleeps to the step's deadline."""
         t0 = time.perf_counter()
-        outputs, self._pending = self._pending, []
-        for req in [r for r in self.scheduler.running if r.check_known]:
-            req.check_known = False
-            reason = self._known_finish_reason(req)
-            if reason:
-                self._finish(req, reason)
-                outputs.append(StepOutput(req.rid, [], req.num_outputs, True, reason))
+        outputs = self._finishes_before_step()
         decode, prefill = self.scheduler.schedule()
         if not decode and not prefill:
             return outputs

@@ -63,8 +63,6 @@ class Engine:
         depend on its batch mates or on extend vs decode (kernels/attention.py; what makes a handoff exact).
         ``prefill_chunk_tokens``: the most tokens one request computes per step (at most the step budget,
         ``max_prefill_tokens``): a long prompt shares each step with the requests queued behind it."""
-        if prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
         cfg = model.config
         self.model = model
         self.config: ModelConfig = cfg
@@ -80,22 +78,33 @@ class Engine:
         )
         if num_blocks is None:
             num_blocks = KVPool.blocks_for_budget(self.layout, kv_memory_bytes)
+        limit = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
+        eos = list(cfg.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in eos:
+            eos.append(int(tok_eos))
+        self._init_serving(num_blocks, limit, eos, max_num_seqs, max_prefill_tokens, prefill_chunk_tokens,
+                           enable_prefix_cache, cache_finished)
+        self.decode_accum = torch.float64 if batch_invariant else torch.float32
+
+    def _init_serving(self, num_blocks: int, position_limit: int, eos_token_ids: list[int], max_num_seqs: int,
+                      max_prefill_tokens: int, prefill_chunk_tokens: int, enable_prefix_cache: bool,
+                      cache_finished: bool) -> None:
+        """Everything but the model, on ``self.layout``: pool, prefix cache, scheduler, the request table.
+        Shared with the emulated backend (engine/emulated.py), which has no model."""
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens}")
+        block_size = self.layout.block_size
         self.pool = KVPool(self.layout, num_blocks)
         self.cache = RadixCache(self.pool.allocator, block_size)
         self.scheduler = Scheduler(
             self.pool.allocator, self.cache, block_size, max_num_seqs, max_prefill_tokens, enable_prefix_cache,
             prefill_chunk_tokens,
         )
-        limit = cfg.max_position_embeddings if max_model_len is None else min(max_model_len, cfg.max_position_embeddings)
-        self.max_context = min(limit, num_blocks * block_size)
+        self.max_context = min(position_limit, num_blocks * block_size)
         self.enable_prefix_cache = enable_prefix_cache
-        self.decode_accum = torch.float64 if batch_invariant else torch.float32
         self.cache_finished = cache_finished
-        eos = list(cfg.eos_token_ids)
-        tok_eos = getattr(tokenizer, "eos_token_id", None)
-        if tok_eos is not None and tok_eos not in eos:
-            eos.append(int(tok_eos))
-        self.eos_token_ids: list[int] = eos
+        self.eos_token_ids: list[int] = eos_token_ids
         self.requests: dict[str, Request] = {}
         self._pending: list[StepOutput] = []
         self.num_forward_tokens = 0
@@ -386,8 +395,9 @@ class Engine:
         req.check_known = True
 
     # ---- the step ---------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        """Run one forward pass over the scheduled batch; return new tokens and finishes."""
+    def _finishes_before_step(self) -> list[StepOutput]:
+        """Outputs queued since the last step, plus the requests whose known tokens already end them
+        (``stop_at``, a stop in handed-over ids): every backend's step starts with these."""
         outputs, self._pending = self._pending, []
         for req in [r for r in self.scheduler.running if r.check_known]:
             req.check_known = False
@@ -395,6 +405,11 @@ class Engine:
             if reason:
                 self._finish(req, reason)
                 outputs.append(StepOutput(req.rid, [], req.num_outputs, True, reason))
+        return outputs
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward pass over the scheduled batch; return new tokens and finishes."""
+        outputs = self._finishes_before_step()
         decode, prefill = self.scheduler.schedule()
         if not decode and not prefill:
             return outputs

@@ -36,7 +36,8 @@ from pdd.shared.kv_layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-BACKENDS = ("torch", "emulated")  # planned: "vllm"
+TORCH, EMULATED = "torch", "emulated"  # the backends, named once (planned: "vllm")
+BACKENDS = (TORCH, EMULATED)
 
 
 @runtime_checkable
@@ -198,18 +199,18 @@ class EngineBackend(Protocol):
         ...
 
 
-def load_engine(backend: str = "torch", **kwargs: Any) -> EngineBackend:
+def load_engine(backend: str = TORCH, **kwargs: Any) -> EngineBackend:
     """Construct the engine of ``backend`` (the one place the services name a concrete class).
 
     ``kwargs``: the torch engine's ``Engine.from_model`` arguments; the emulated engine's
     ``EmulatedEngine`` arguments (engine/emulated.py: a cost model, time dilation, pool and oracle sizes).
     Raises ``ValueError`` for an unknown backend; what loading raises otherwise (a missing checkpoint, an
     unsupported architecture)."""
-    if backend == "torch":
+    if backend == TORCH:
         from pdd.engine.engine import Engine
 
         return Engine.from_model(**kwargs)
-    if backend == "emulated":
+    if backend == EMULATED:
         from pdd.engine.emulated import EmulatedEngine
 
         return EmulatedEngine(**kwargs)

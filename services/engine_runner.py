@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdd.engine import StepOutput
-from pdd.engine.interface import EngineBackend, load_engine
+from pdd.engine.interface import TORCH, EngineBackend, load_engine
 from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.engine_runner")
@@ -33,7 +33,7 @@ class EngineRunner:
         self.steps = 0
 
     @classmethod
-    async def load(cls, backend: str = "torch", **kwargs: Any) -> "EngineRunner":
+    async def load(cls, backend: str = TORCH, **kwargs: Any) -> "EngineRunner":
         """Load the model on a worker thread (seconds for real checkpoints); ``kwargs``: the backend's."""
         engine = await asyncio.to_thread(load_engine, backend, **kwargs)
         return cls(engine)

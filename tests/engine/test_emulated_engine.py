@@ -3,7 +3,6 @@ KV pool and radix cache (prefix hits, freeing, export/import of real bytes) and 
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from pdd.engine.interface import BACKENDS, EngineBackend, load_engine
 from pdd.engine.sampling import SamplingParams
 from pdd.shared.cost_model import Chip, CostModel, ModelSpec
 
-from .test_engine_interface import protocol_members
+from .test_engine_interface import assert_conforms
 
 FREE = CostModel(p0=0.0, p_tok=0.0, d0=0.0)  # every step modeled at 0 s: tests that are not about time
 
@@ -46,17 +45,7 @@ PROMPT = [(7 * i + 3) % 997 for i in range(21)]  # 5 full blocks of 4 and one to
 # ---- the contract --------------------------------------------------------------------------------------
 def test_satisfies_the_protocol() -> None:
     engine = make()
-    assert isinstance(engine, EngineBackend)
-    for name, member in protocol_members().items():
-        assert hasattr(engine, name), f"EmulatedEngine lacks {name}"
-        if isinstance(member, property):
-            assert not callable(getattr(engine, name)), f"EmulatedEngine.{name} should be a value"
-            continue
-        want, have = inspect.signature(member), inspect.signature(getattr(EmulatedEngine, name))
-        assert list(have.parameters) == list(want.parameters), f"{name}{have} vs {name}{want}"
-        for pname, p in want.parameters.items():
-            q = have.parameters[pname]
-            assert q.kind == p.kind and q.default == p.default, f"EmulatedEngine.{name}: parameter {pname}"
+    assert_conforms(engine)
     k, v = engine.kv_buffers()
     assert len(k) == len(v) == engine.layout.num_layers
     assert k[0].shape == (engine.num_total_blocks(), engine.block_size, engine.layout.kv_heads, engine.layout.head_dim)
