@@ -227,6 +227,18 @@ def wait_links_up(cluster: LocalCluster, t0: float, timeout: float = 60.0) -> fl
     return None
 
 
+async def links_back(cluster: LocalCluster, t0: float, facts: dict[str, Any]) -> None:
+    """After a cut ends at t0: which links read down (``links_marked_down``: how many), how long until the
+    probes bring them all back (``wan_back_after_s``), and, if they never do, which stayed down."""
+    down = await asyncio.to_thread(links_down, cluster)
+    facts["links_marked_down"] = len(down) or "none yet"
+    if down:
+        facts["links_down_at_restore"] = down
+    facts["wan_back_after_s"] = back = await asyncio.to_thread(wait_links_up, cluster, t0)
+    if back is None:
+        facts["links_still_down"] = await asyncio.to_thread(links_down, cluster)
+
+
 def kill_when_holding(cluster: LocalCluster, role: str, at_least: int, timeout: float,
                       ended: threading.Event | None = None) -> tuple[str | None, int]:
     """``kill -9`` of the live ``role`` instance holding the most requests, at the first reading where it
@@ -306,6 +318,13 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
 
     # transfers keep starting across the cut
     spread = args.wan_cut_s * 2 if name in ("wan_cut", "wan_cut_net") else 0.0
+    if name in ("wan_cut", "wan_cut_net"):
+        # a link still read down from an earlier scenario (e.g. a main decoder killed mid-transfer) would
+        # pass for one this cut took down, and could keep wan_back_after_s from ever coming
+        # (probes of a link an earlier scenario took down legitimately get a while to bring it back)
+        if await asyncio.to_thread(links_down, cluster) and \
+                await asyncio.to_thread(wait_links_up, cluster, time.monotonic(), 30.0) is None:
+            facts["links_down_before_cut"] = await asyncio.to_thread(links_down, cluster)
 
     if name == "stop_p":
         facts["stopped"] = "p-0"  # equal cost ties go to the lowest id: p-0 gets the requests
@@ -357,8 +376,7 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
                 return
             await asyncio.sleep(args.wan_cut_s)
             down.unlink()
-            facts["links_marked_down"] = len(await asyncio.to_thread(links_down, cluster)) or "none yet"
-            facts["wan_back_after_s"] = await asyncio.to_thread(wait_links_up, cluster, time.monotonic())
+            await links_back(cluster, time.monotonic(), facts)
         elif name in SITE_SCENARIOS:
             facts.update(await site_fault(name, cluster, progress, args))
 
@@ -429,8 +447,7 @@ async def site_fault(name: str, cluster: SitesCluster, progress: list[int], args
     t0 = time.monotonic()
     facts["leaf_reconnect_s"] = await asyncio.to_thread(sites.wait_leaf, t0)
     if name == "wan_cut_net":
-        facts["links_marked_down"] = len(await asyncio.to_thread(links_down, cluster)) or "none yet"
-        facts["wan_back_after_s"] = await asyncio.to_thread(wait_links_up, cluster, t0)
+        await links_back(cluster, t0, facts)
     else:
         facts["serving_again_s"] = await first_success_after(cluster, t0)
     return facts

@@ -7,7 +7,8 @@ a class with these members (structural typing: no base class to inherit):
 
 - ``torch``: ``pdd.engine.Engine`` (engine/engine.py), the embedded default;
 - ``emulated``: ``pdd.engine.emulated.EmulatedEngine`` (engine/emulated.py): no weights, cost-model step
-  times, oracle tokens, the real KV pool and radix cache (not yet wired into config or the services);
+  times, oracle tokens, the real KV pool and radix cache (``model.backend: emulated``; services/emulation.py
+  turns the config's ``emulation`` section into its arguments);
 - ``vllm`` (planned, ../shared/DESIGN.md "Engine backends").
 
 One fleet runs one backend and one KV layout (``layout``): engines refuse to join a fleet of another.
@@ -31,13 +32,14 @@ from pdd.engine.cpu_features import DtypeChoice
 from pdd.engine.radix_cache import CacheEvent
 from pdd.engine.request import ImportReservation, StepOutput
 from pdd.engine.sampling import SamplingParams
+from pdd.shared.backends import Backend
 from pdd.shared.kv_layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
 
-TORCH, EMULATED = "torch", "emulated"  # the backends, named once (planned: "vllm")
-BACKENDS = (TORCH, EMULATED)
+TORCH, EMULATED = Backend.TORCH, Backend.EMULATED  # named once in shared/backends.py (planned: "vllm")
+BACKENDS = tuple(Backend)
 
 
 @runtime_checkable

@@ -15,8 +15,11 @@ from pdd.engine import SamplingParams
 from pdd.engine.cpu_features import resolve_dtypes
 from pdd.engine.interface import EngineBackend
 from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
+from pdd.services import emulation
 from pdd.services.engine_runner import EngineRunner
+from pdd.services.peer_links import PeerLinks
 from pdd.shared import metrics
+from pdd.shared.backends import Backend
 from pdd.shared.bus import Bus, Envelope
 from pdd.shared.config import ConfigError, InstanceConfig, PDDConfig, TransportConfig
 from pdd.shared.kv_layout import KVLayout
@@ -33,7 +36,7 @@ from pdd.shared.protocol import (
 )
 from pdd.shared.service import Service
 from pdd.shared.telemetry import get_logger
-from pdd.transports import KVTransport, Peer, create_transport
+from pdd.transports import KVTransport, create_transport
 
 log = get_logger("pdd.engine_service")
 
@@ -113,8 +116,7 @@ class EngineService(Service):
         super().__init__(config, instance)
         self.runner: EngineRunner | None = None
         self.transports: dict[str, KVTransport] = {}
-        self._peers: dict[tuple[str, str], Peer] = {}
-        self._peer_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.links = PeerLinks(self.transports)  # one shared link per remote pool (services/peer_links.py)
         self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
         self._cache_counted = (0, 0)  # prefix-cache (query, hit) tokens already added to the counters
 
@@ -126,7 +128,7 @@ class EngineService(Service):
 
     async def on_start(self) -> None:
         m = self.config.model
-        log.info("model_loading", path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype)
+        log.info("model_loading", backend=m.backend, path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype)
         try:  # a bad name is a config error, said before the model loads
             resolve_dtypes(m.dtype, m.kv_dtype)
         except ValueError as exc:
@@ -134,18 +136,24 @@ class EngineService(Service):
         t0 = time.monotonic()
         fleet = await FleetLayouts.listen(self.bus, self.instance_id)  # while the model loads
         try:
-            self.runner = await EngineRunner.load(
-                path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype, num_threads=m.threads,
-                kv_memory_bytes=m.kv_memory_mb * 1024 * 1024, block_size=m.block_size, max_num_seqs=m.max_num_seqs,
-                max_prefill_tokens=m.max_prefill_tokens, cache_finished=self.cache_finished,
-                enable_prefix_cache=m.enable_prefix_cache, batch_invariant=m.batch_invariant,
-                prefill_chunk_tokens=m.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
-            )
+            banner: dict[str, Any] = {}
+            if m.backend == Backend.EMULATED:
+                kwargs, banner = await asyncio.to_thread(self._emulated_engine_kwargs)
+            else:
+                kwargs = dict(
+                    path=m.path, dtype=m.dtype, kv_dtype=m.kv_dtype, num_threads=m.threads,
+                    kv_memory_bytes=m.kv_memory_mb * 1024 * 1024, block_size=m.block_size,
+                    max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
+                    cache_finished=self.cache_finished, enable_prefix_cache=m.enable_prefix_cache,
+                    batch_invariant=m.batch_invariant,
+                    prefill_chunk_tokens=m.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS)
+            self.runner = await EngineRunner.load(m.backend, **kwargs)
             choice = self.engine.dtype_choice
-            log.info("model_loaded", seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
+            log.info("model_loaded", backend=m.backend, seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
                      kv_dtype=choice.kv_dtype, dtype_reason=choice.reason,
                      linear_kernel=self.engine.linear_kernel, layout=self.engine.layout.to_dict(),
-                     kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
+                     kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context,
+                     **({"emulated": banner} if banner else {}))
             await fleet.check(self.engine.layout, self.config.service.heartbeat_ms / 1000)
         finally:
             await fleet.close()
@@ -156,6 +164,20 @@ class EngineService(Service):
                                  expect=CacheQuery)
         self._tasks.append(asyncio.create_task(self._publish_cache_events(), name="cache-events"))
         self._tasks.append(asyncio.create_task(self._drain_outbox(), name="outbox"))
+
+    def _emulated_engine_kwargs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The emulated engine's arguments for this role, and its banner (services/emulation.py)."""
+        from pdd.shared.model_files import resolve_model_path
+        from pdd.shared.tokenizer import load_tokenizer
+
+        m = self.config.model
+        prof = emulation.profile(self.config.emulation, self.role)
+        kwargs = emulation.engine_kwargs(
+            self.config.emulation, prof, load_tokenizer(resolve_model_path(m.path)), block_size=m.block_size,
+            max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
+            prefill_chunk_tokens=m.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
+            enable_prefix_cache=m.enable_prefix_cache, cache_finished=self.cache_finished)
+        return kwargs, prof.describe()
 
     def post(self, subject: str, message: Message) -> None:
         """Publish from synchronous engine callbacks, keeping the order messages were posted in."""
@@ -186,24 +208,6 @@ class EngineService(Service):
         transport.register(self.engine.layout, *self.engine.kv_buffers())
         self.transports[kind] = transport
         return transport
-
-    async def peer(self, kind: str, descriptor: dict) -> Peer:
-        """Connected peers are reused: one link per (transport, remote pool)."""
-        key = (kind, str(descriptor.get("instance_id")))
-        lock = self._peer_locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            if key not in self._peers:
-                self._peers[key] = await self.transports[kind].connect(descriptor)
-            return self._peers[key]
-
-    async def forget_peer(self, kind: str, descriptor: dict) -> None:
-        """Close a broken link so the next transfer to that pool opens a fresh one."""
-        peer = self._peers.pop((kind, str(descriptor.get("instance_id"))), None)
-        if peer is not None:
-            try:
-                await self.transports[kind].disconnect(peer)
-            except Exception as exc:
-                log.debug("disconnect_failed", error=str(exc))
 
     # -- bus handlers -----------------------------------------------------------------------------
     async def _on_cancel(self, message: Message, _: Envelope) -> None:

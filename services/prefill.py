@@ -214,14 +214,17 @@ class PrefillService(EngineService):
         }) as span:
             nbytes, seconds = 0, 0.0
             if src:
-                peer = await self.peer(dest.transport, plan.descriptor)
+                # held for this send: other transfers share the link, and none may close it under this one
+                peer = await self.links.hold(dest.transport, plan.descriptor)
                 t0 = time.monotonic()
                 try:
                     stats = await self.transports[dest.transport].send(peer, req.request_id, src, plan.dst_blocks,
                                                                        trace_context=inject_headers())
-                except PeerLostError:  # the link is gone: the next transfer opens a new one
-                    await self.forget_peer(dest.transport, plan.descriptor)
+                except PeerLostError:  # this link is gone: the next transfer opens a new one
+                    await self.links.forget(dest.transport, plan.descriptor, peer)
                     raise
+                finally:
+                    await self.links.release(dest.transport, peer)
                 nbytes, seconds = stats.bytes, time.monotonic() - t0
             gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
             span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})

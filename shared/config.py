@@ -30,6 +30,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.sources.utils import parse_env_vars
 
+from pdd.shared.backends import Backend
 from pdd.shared.pipelines import HandoffMode, Pipeline, routable
 from pdd.shared.policy import PolicyConfig
 from pdd.shared.protocol import check_token
@@ -47,7 +48,11 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    path: str = Field("default", description="'default' (built-in SmolLM2-135M-Instruct), a HF folder or a .gguf file")
+    backend: Backend = Field(
+        Backend.TORCH, description="torch: real weights and math (the embedded engine); emulated: no weights, step "
+                                   "times from the cost model of the 'emulation' section's chips, oracle tokens")
+    path: str = Field("default", description="'default' (built-in SmolLM2-135M-Instruct), a HF folder or a .gguf "
+                                             "file; the emulated backend reads only its tokenizer (vocabulary, EOS)")
     name: str | None = Field(None, description="model name served by the API; defaults to the path's basename")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="weights and compute; auto: bfloat16 where the CPU has avx512_bf16 or amx_bf16, "
@@ -90,6 +95,25 @@ def _readable_file(field: str, value: str | None) -> str | None:
     if not os.access(path, os.R_OK):
         raise ValueError(f"file not readable by this user: {path}")
     return str(path)
+
+
+class EmulationConfig(_Strict):
+    """The emulated backend's accelerators (read when ``model.backend`` is emulated): each engine is timed as the
+    scenario's chips for its role, and moves 1/``kv_scale`` of the modeled KV bytes for real."""
+
+    scenario: str = Field("report", description="a simulator scenario (a name under the package's sim/scenarios or "
+                                                "a YAML path): its chips, model spec and utilisation")
+    system: str = Field("pdd", description="the scenario's system whose chip type and chips per instance each role "
+                                           "emulates (a relay without its own entry runs on the prefill chip)")
+    kv_scale: float = Field(1000.0, ge=1, description="real KV bytes per token = the model's / kv_scale (rounded to "
+                                                      "the pool's 16-byte granule; the banner states the effective "
+                                                      "scale). A WAN emulation sized for the report divides its "
+                                                      "rates by the same scale")
+    time_dilation: float = Field(1.0, gt=0, description="every modeled duration x this (and every emulated WAN "
+                                                        "rate / this): > 1 when the box cannot keep up")
+    oracle_seed: int = Field(0, description="seed of the token oracle (the same on every engine of a fleet)")
+    eos_rate: float = Field(0.0, ge=0, le=1, description="chance of EOS per output token (0: requests run to "
+                                                         "max_tokens, as a benchmark with ignore_eos)")
 
 
 class NatsTlsConfig(_Strict):
@@ -247,6 +271,7 @@ class TelemetryConfig(_Strict):
 
 class PDDConfig(_Strict):
     model: ModelConfig = ModelConfig()
+    emulation: EmulationConfig = EmulationConfig()
     nats: NatsConfig = NatsConfig()
     sites: list[SiteConfig] = Field(default_factory=lambda: [SiteConfig(name="site-a"), SiteConfig(name="site-b")])
     instances: list[InstanceConfig] = Field(default_factory=list)

@@ -118,6 +118,7 @@ class _Stream(AckWindow):
     fd: int | None = None  # the TCP connection's descriptor while connected (progress via TCP_INFO)
     alive_at: float = field(default_factory=time.monotonic)  # last sign of the receiver on this stream
     sampled: tuple[int | None, int, float] = (None, 0, 0.0)  # (fd, bytes_acked, when) at the last look
+    closed: bool = False  # the link was closed (disconnect, or the transport): its sockets are gone
 
 
 class ZmqTransport(KVTransport):
@@ -376,12 +377,16 @@ class ZmqTransport(KVTransport):
 
     def _close_streams(self, streams: list[_Stream]) -> None:
         for s in streams:
+            if s.closed:
+                continue
+            s.closed = True  # first: a send that wakes up below must see a closed link, not a socket error
+            s.fd = None  # the descriptor number may be reused at once: never read TCP_INFO through it again
             s.fail_all(PeerLostError("link closed"))
             for t in s.tasks:
                 t.cancel()
             s.sock.disable_monitor()
             s.monitor.close(0)
-            s.sock.close(0)
+            s.sock.close(0)  # cancels the socket's pending sends (see _send_here)
 
     async def disconnect(self, peer: Peer) -> None:
         if self._lt is not None and peer.state in self._links:
@@ -401,6 +406,18 @@ class ZmqTransport(KVTransport):
         return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context)))
 
     async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
+        """A link closed under a send (``disconnect`` while the send runs) fails it with PeerLostError,
+        never with the socket's own error (ENOTSOCK) or with the CancelledError that closing a socket sets
+        on its pending sends: to the caller both mean "this link is gone", like any lost peer."""
+        try:
+            return await self._send_on_link(streams, rid, plans, tc)
+        except (zmq.ZMQError, asyncio.CancelledError) as exc:
+            if not any(s.closed for s in streams):
+                raise  # a real cancellation (the transport's loop stopping), or a zmq fault of its own
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise PeerLostError(f"link closed while sending ({detail})", rid) from None
+
+    async def _send_on_link(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
         pending: list[asyncio.Future] = []
         registered: list[tuple[_Stream, int]] = []
         errors: list[BaseException] = []  # first failure of any frame stops the send at once
@@ -411,6 +428,8 @@ class ZmqTransport(KVTransport):
 
         try:
             for plan in plans:
+                if any(s.closed for s in streams):
+                    raise PeerLostError("link closed", rid)
                 header, payload = self._build_frame(rid, plan, tc)
                 stream = min(streams, key=lambda s: s.inflight_bytes)
                 await self._acquire(stream, payload.nbytes, rid, streams)

@@ -31,11 +31,13 @@ from pathlib import Path
 import yaml
 
 from pdd.engine.cpu_features import AUTO, SERVING_DTYPES, resolve_dtypes
+from pdd.services.launch import emulate
 from pdd.services.launch.children import child_env, serve_argv
 from pdd.services.launch.natsserver import free_port, start_nats_server
 from pdd.services.launch.readiness import port_taken, progress, router_ready, service_ready
 from pdd.services.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites, netns_sites
 from pdd.services.launch.supervisor import CrashLoop, Supervisor
+from pdd.shared.backends import Backend
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
 from pdd.transports.keys_cli import write_keypair
@@ -131,7 +133,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"or none (no emulation). Default {DEFAULT_WAN}: {DEFAULT_WAN_WHY}. A base config's "
                              f"transports.wan.options.shape wins over the default")
     for role, site in ((Role.PREFILL, "site-a"), (Role.RELAY, "site-a"), (Role.MAIN_DECODE, "site-b")):
-        parser.add_argument(f"--{role}", type=int, default=1, help=f"{role} instances ({site})")
+        parser.add_argument(f"--{role}", type=int, default=None,
+                            help=f"{role} instances ({site}; default 1, with --emulate the scenario's)")
+    parser.add_argument("--emulate", default=None, metavar="SCENARIO",
+                        help="emulated accelerators at a simulator scenario's shape (e.g. report: the report's "
+                             "chips, model, instance counts and WAN; no weights); see docs/OPERATIONS.md")
+    parser.add_argument("--time-dilation", type=float, default=None,
+                        help="with --emulate: every modeled duration x this, every emulated WAN rate / this")
     parser.add_argument("--sites", default=None, choices=[NETNS],
                         help="netns (root): site A (router, prefill, relay, its nats-server) and site B (main decode, "
                              "its nats-server, a leaf node of A's) in two network namespaces joined by the kernel WAN "
@@ -184,8 +192,15 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     for field in ("dtype", "kv_dtype"):
         if getattr(args, field, None):
             base["model"][field] = getattr(args, field)
-    choice = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"])
-    notes["dtype"] = choice.reason
+    if getattr(args, "emulate", None):
+        notes.update(emulate.apply(base, args))
+    for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE):
+        if getattr(args, role.replace("-", "_"), None) is None:
+            setattr(args, role.replace("-", "_"), 1)
+    if base["model"]["backend"] == Backend.EMULATED:
+        notes["dtype"] = "no weights: emulated accelerators (KV pages carry a float32 pattern)"
+    else:
+        notes["dtype"] = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"]).reason
     base["nats"]["url"] = nats_url
     base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
                      {"name": "site-b", "description": "decode datacenter"}]
@@ -196,7 +211,7 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     base["router"]["host"] = args.host
     base["router"]["port"] = args.port
     base["router"]["api_keys"] = list(base["router"]["api_keys"]) + list(getattr(args, "api_key", None) or [])
-    notes["wan"] = wan_shape(base, args.wan)
+    notes["wan"] = wan_shape(base, args.wan) + (f" - from {notes['wan_why']}" if "wan_why" in notes else "")
     notes["curve"] = wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
     if base["telemetry"]["exporter"] in ("auto", "jsonl") and not os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         base["telemetry"]["exporter"] = "jsonl"
@@ -333,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
              else "API open to anyone who can reach it (no --api-key)")
         _say(notes["wan"])
         _say(f"serving {notes['dtype']}")
+        if "emulation" in notes:
+            _say(notes["emulation"])
         spans = config["telemetry"].get("jsonl_path")
         _say(f"traces: {spans} (render with `pdd trace {spans} --latest`)" if spans
              else f"traces: OTLP -> {os.environ.get('OTEL_EXPORTER_OTLP_ENDPOINT')}")

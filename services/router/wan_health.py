@@ -46,22 +46,42 @@ class WanHealth:
         self._probers[decode_id] = asyncio.create_task(self._probe_until_up(decode_id), name=f"wan-probe-{decode_id}")
 
     def forget(self, decode_id: str) -> None:
-        """The instance left the registry: nothing to probe."""
+        """The instance left the registry: nothing to probe, and no link state to report.
+
+        Its ``pdd:wan_link_up`` series goes too: left at 0, it would report the link down for good, even
+        after an instance of that id joins again (it starts up: nothing marks it down or probes it)."""
         task = self._probers.pop(decode_id, None)
         if task is not None:
             task.cancel()
-        self.down_since.pop(decode_id, None)
+        if self.down_since.pop(decode_id, None) is not None:
+            log.info("wan_link_forgotten", decode=decode_id, reason="instance left the registry")
+        try:
+            metrics.WAN_UP.remove(decode_id)
+        except KeyError:  # never marked down: no series
+            pass
 
     async def _probe_until_up(self, decode_id: str) -> None:
+        """Probe every ``interval_s`` until one gets through. Only ``forget`` or ``stop`` end this loop
+        early (they cancel it): a failed, timed-out or crashed probe is one more failed probe, never the
+        end of probing (the link would then stay down for good, with nobody looking)."""
         probes = 0
         while True:
             await asyncio.sleep(self.interval_s)
             probes += 1
             try:
                 ok = await self._probe(decode_id)
+            except asyncio.CancelledError:
+                if decode_id not in self._probers:  # forget() or stop(): this loop is over
+                    raise
+                ok = False  # a cancellation from inside the probe (e.g. its own timeout), not of this loop
+                log.warning("wan_probe_error", decode=decode_id, probes=probes, error="probe cancelled")
             except Exception as exc:  # a probe never takes the router down
-                log.debug("wan_probe_error", decode=decode_id, error=str(exc))
+                log.warning("wan_probe_error", decode=decode_id, probes=probes, error=repr(exc))
                 ok = False
+            if not ok and probes & (probes - 1) == 0:  # probes 1, 2, 4, 8, ...: say it is still down
+                since = self.down_since.get(decode_id, time.monotonic())
+                log.info("wan_link_still_down", decode=decode_id, probes=probes,
+                         down_s=round(time.monotonic() - since, 2))
             if ok:
                 since = self.down_since.pop(decode_id, time.monotonic())
                 self._probers.pop(decode_id, None)
@@ -71,6 +91,7 @@ class WanHealth:
 
     async def stop(self) -> None:
         tasks = list(self._probers.values())
+        self._probers.clear()  # first: a prober cancelled now knows it is meant
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -110,17 +131,27 @@ class WanProbe:
         self._probes[probe_id] = done
         prefill = min(prefills, key=lambda i: (i.load, i.instance_id))
         timeout = max(5.0, self.config.router.stall_timeout_s)
+        ok = False
         try:
             await self.bus.publish(Subjects.instance(prefill.instance_id, "submit"), SubmitRequest(
                 request_id=probe_id, prompt_ids=prompt, sampling=SamplingSpec(max_tokens=2, ignore_eos=True),
                 pipeline=Pipeline.P_MD, events_subject=self.events_subject, deadline_unix=time.time() + timeout,
                 md_instance=decode_id))
-            return await asyncio.wait_for(done, timeout)
-        except (asyncio.TimeoutError, BusError):
+            # shielded: on timeout wait_for cancels what it waits on, and a cancelled ``done`` would make
+            # ``done.result()`` below raise CancelledError out of the probe (which ended the prober for good)
+            ok = await asyncio.wait_for(asyncio.shield(done), timeout)
+            return ok
+        except asyncio.TimeoutError:
+            log.info("wan_probe_failed", decode=decode_id, probe=probe_id, via=prefill.instance_id,
+                     reason=f"no token from {decode_id} within {timeout:g}s")
+            return False
+        except BusError as exc:
+            log.info("wan_probe_failed", decode=decode_id, probe=probe_id, via=prefill.instance_id,
+                     reason=f"submit failed: {exc}")
             return False
         finally:
             self._probes.pop(probe_id, None)
-            if not done.done() or not done.result():
+            if not ok:
                 await self._cancel(probe_id, "wan probe over")
 
     def on_event(self, message: Message) -> None:
@@ -128,6 +159,8 @@ class WanProbe:
         if done is None or done.done():
             return
         if isinstance(message, ErrorReply):
+            log.info("wan_probe_failed", probe=message.request_id, reason=f"{message.code}: {message.message}",
+                     instance=message.instance_id)
             done.set_result(False)
         elif isinstance(message, TokenChunk) and message.role == Role.MAIN_DECODE and message.token_ids:
             done.set_result(True)

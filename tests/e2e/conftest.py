@@ -59,11 +59,18 @@ class System:
             p.stop()
 
 
+# The emulated backend's small profile (sim/scenarios/small.yaml): step times of milliseconds, real KV bytes
+# equal to the modeled ones (kv_scale 1), the tiny model's tokenizer.
+EMULATION = {"scenario": "small", "system": "pdd", "kv_scale": 1}
+
+
 def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None = None,
-                 policy: dict | None = None) -> System:
+                 policy: dict | None = None, backend: str = "torch") -> System:
     port = free_port()
     config = {
-        "model": {"path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32, "threads": 1},
+        "model": {"backend": backend, "path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32,
+                  "threads": 1},
+        "emulation": EMULATION,
         "nats": {"url": nats_url},
         **two_site_layout(),
         "transports": {
@@ -137,3 +144,38 @@ def reference(system):
     choice = engine.dtype_choice
     assert system.serving_dtypes() == {"dtype": choice.dtype, "kv_dtype": choice.kv_dtype}, choice.reason
     return engine
+
+
+@pytest.fixture(scope="session")
+def emulated_system(tmp_path_factory, nats_url, tiny_model):
+    """The same system on the emulated backend (model.backend: emulated, the small profile)."""
+    sys_ = start_system(tmp_path_factory.mktemp("pdd-emulated"), nats_url, tiny_model,
+                        wan_options={"shape": {"delay": f"{int(WAN_DELAY_S * 1000)}ms"}},
+                        policy={"handoff_final_gap": 2}, backend="emulated")
+    yield sys_
+    sys_.stop()
+
+
+@pytest.fixture(scope="session")
+def emulated_reference(emulated_system):
+    """One emulated engine alone, built from the system's own config as the services build theirs."""
+    from pdd.engine.interface import load_engine
+    from pdd.services import emulation
+    from pdd.shared.config import load_config
+    from pdd.shared.tokenizer import load_tokenizer
+
+    config = load_config(emulated_system.config_path)
+    m = config.model
+    prof = emulation.profile(config.emulation, "main-decode")
+    kwargs = emulation.engine_kwargs(config.emulation, prof, load_tokenizer(m.path), block_size=m.block_size,
+                                     max_num_seqs=64, max_prefill_tokens=m.max_prefill_tokens,
+                                     prefill_chunk_tokens=512, enable_prefix_cache=True, cache_finished=True)
+    return load_engine("emulated", **kwargs)
+
+
+@pytest.fixture(params=["torch", "emulated"])
+def fleet(request):
+    """(system, reference engine) on each engine backend: the correctness tests hold on both."""
+    if request.param == "torch":
+        return request.getfixturevalue("system"), request.getfixturevalue("reference")
+    return request.getfixturevalue("emulated_system"), request.getfixturevalue("emulated_reference")

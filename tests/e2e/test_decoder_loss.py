@@ -25,6 +25,7 @@ from pdd.loadgen.scrape import samples_of, scrape_sync
 from pdd.services.launch.local_cluster import LocalCluster, http_json, two_site_layout
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.roles import Role
+from tests.e2e.conftest import EMULATION
 
 MAX_TOKENS = 300  # long enough to still be streaming when the fault lands
 MIN_TOKENS = 16  # streamed before the fault
@@ -32,10 +33,13 @@ REQUEST_TIMEOUT_S = 60.0
 PROMPT = "alpha beta gamma river stone cloud paper light green north market table window"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
+@pytest.fixture(scope="module", params=["torch", "emulated"])
+def cluster(request, tmp_path_factory, tiny_model):
+    """The fleet on each engine backend (emulated: the small profile, tests/e2e/conftest.py)."""
     config = {
-        "model": {"path": str(tiny_model), "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32, "threads": 1},
+        "model": {"backend": request.param, "path": str(tiny_model), "kv_memory_mb": 8, "block_size": 16,
+                  "max_num_seqs": 32, "threads": 1},
+        "emulation": EMULATION,
         **two_site_layout(prefill=1, relay=1, main_decode=1),
         "transports": {"fast": {"name": "zmq", "options": {}},
                        "wan": {"name": "zmq", "options": {"streams": 2, "shape": {"delay": "20ms"}}}},

@@ -36,7 +36,10 @@ def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model):
     assert report["kill_md"]["killed"].startswith("md-") and report["kill_md"]["migrated"] > 0
     assert report["kill_rld"]["killed"].startswith("rld-") and report["kill_rld"]["migrated"] > 0
     assert report["kill_md"]["killed"] not in report["kill_md"]["alive"]
-    assert report["wan_cut"]["wan_back_after_s"] is not None  # probes found the link again
+    # no link read down before the cut (the main decoder kill_md took away, respawned, once did: its gauge
+    # stayed 0), and the probes found every link again after it
+    assert not report["wan_cut"].get("links_down_before_cut"), report["wan_cut"]
+    assert report["wan_cut"]["wan_back_after_s"] is not None, report["wan_cut"]
     assert report["stop_p"]["migrated"] > 0  # requests sent to the frozen prefill were retried on the other
 
 

@@ -62,10 +62,13 @@ async def run_sessions(base_url: str, all_sessions, pipeline, handoff) -> list[t
 
 
 @pytest.mark.parametrize("pipeline, handoff", PIPELINES)
-def test_pipeline_matches_single_engine(system, reference, pipeline, handoff):
-    """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone, in the
-    dtype the system serves (`auto`: bf16 or fp32 by the CPU; the `reference` fixture resolves the same)."""
+def test_pipeline_matches_single_engine(fleet, pipeline, handoff):
+    """50 prompts (10 sessions x 5 turns) per pipeline, token-for-token equal to one engine alone, on each
+    backend; torch: in the dtype the system serves (`auto`: bf16 or fp32 by the CPU; the `reference` fixture
+    resolves the same)."""
     from pdd.engine import SamplingParams
+
+    system, reference = fleet
 
     all_sessions = sessions(10, 5, seed=PIPELINES.index((pipeline, handoff)))
     results = asyncio.run(run_sessions(system.base_url, all_sessions, pipeline, handoff))

@@ -269,3 +269,47 @@ def test_every_service_gets_the_nats_token_and_the_leaf_its_password() -> None:
     leaf_auth = re.search(r"leafnodes\s*\{.*?authorization\s*\{\s*user:\s*(\w+)\s+password:\s*\$(\w+)", site_a,
                           re.DOTALL)
     assert url and leaf_auth and leaf_auth.groups() == (url.group(1), "NATS_LEAF_PASSWORD"), site_a
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR:-default} with ``env``."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1), m.group(2)), value)
+
+
+def test_emulate_report_env_runs_every_engine_emulated_behind_the_reports_wan(tmp_path) -> None:
+    """`--env-file compose/emulate-report.env`: each engine's config, with the environment compose gives it,
+    resolves to the emulated backend on the report's chips; the WAN container gets the link `pdd up --emulate
+    report` computes from the same scenario (not figures typed twice that could drift)."""
+    import argparse
+
+    from pdd.services import emulation
+    from pdd.services.launch.up import add_arguments, build_config
+    from pdd.transports.units import rate_bits, seconds
+
+    env = _env_file(COMPOSE_DIR / "emulate-report.env")
+    chips = {}
+    for name, svc in SERVE.items():
+        service_env = {k: _expand(str(v), env) for k, v in svc["environment"].items() if k.startswith("PDD__MODEL")
+                       or k.startswith("PDD__EMULATION")}
+        config = load_config(_config_of(svc), environ=service_env)
+        assert config.model.backend == "emulated", name
+        role = config.instance(_instance_id(svc)).role
+        if role != Role.ROUTER:  # the router runs no engine
+            chips[role] = emulation.profile(config.emulation, role).chip
+    assert chips == {Role.PREFILL: "GPU-A (H800-class)", Role.RELAY: "GPU-A (H800-class)",
+                     Role.MAIN_DECODE: "GPU-B (H200-class)"}
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    shape = build_config(parser.parse_args(["--emulate", "report"]), "nats://127.0.0.1:4222", tmp_path,
+                         {})["transports"]["wan"]["options"]["shape"]
+    wan = SERVICES["wan"]["environment"]
+    assert rate_bits(_expand(wan["WAN_RATE"], env)) == pytest.approx(rate_bits(shape["rate"]), rel=1e-3)
+    assert seconds(_expand(wan["WAN_DELAY"], env)) == pytest.approx(seconds(shape["delay"]))
+    # without the env file: the torch engine, as before
+    for svc in SERVE.values():
+        plain = {k: _expand(str(v), {}) for k, v in svc["environment"].items() if k.startswith("PDD__MODEL")}
+        assert load_config(_config_of(svc), environ=plain).model.backend == "torch"
