@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -371,8 +372,10 @@ _FIELD_CHECKS = {"events_subject": check_subject, "instance_id": check_token, "m
 
 
 def _to_wire(value: Any) -> Any:
+    """Dataclasses -> dicts (TYPE left out), tuples -> lists, enums -> their values, recursively; dict values
+    pass as they are. The per-class encoders below compute the same for messages, faster."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value) if f.name != "TYPE"}
+        return _encoder(type(value))(value)
     if isinstance(value, (list, tuple)):
         return [_to_wire(v) for v in value]
     if isinstance(value, enum.Enum):
@@ -380,10 +383,32 @@ def _to_wire(value: Any) -> Any:
     return value
 
 
+# Codecs compiled once per class: the type hints are read and dispatched when a class is first seen, not per
+# message (a token stream is thousands of messages per second through the router).
+_ENCODERS: dict[type, Callable[[Any], dict]] = {}
+_BUILDERS: dict[type, Callable[[Any, str], Any]] = {}
+_PLAIN = (str, bool, bytes, int, float, dict)
+
+
+def _encoder(cls: type) -> Callable[[Any], dict]:
+    enc = _ENCODERS.get(cls)
+    if enc is None:
+        hints = _hints(cls)
+        # (name, passes as is): scalars, maps and token id lists need no conversion
+        fields_ = [(f.name, hints.get(f.name) in _PLAIN or hints.get(f.name) == list[int])
+                   for f in dataclasses.fields(cls) if f.name != "TYPE"]
+
+        def enc(value: Any) -> dict:
+            return {n: getattr(value, n) if as_is else _to_wire(getattr(value, n)) for n, as_is in fields_}
+        _ENCODERS[cls] = enc
+    return enc
+
+
 def encode(message: Message) -> bytes:
     if not message.TYPE:
         raise TypeError(f"{type(message).__name__} is not a registered message type")
-    return msgpack.packb({"v": SCHEMA_VERSION, "t": message.TYPE, "d": _to_wire(message)}, use_bin_type=True)
+    return msgpack.packb({"v": SCHEMA_VERSION, "t": message.TYPE, "d": _encoder(type(message))(message)},
+                         use_bin_type=True)
 
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -395,80 +420,142 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _check(value: Any, hint: Any, where: str) -> Any:
+Checker = Callable[[Any, str], Any]
+_CHECKERS: dict[Any, Checker] = {}
+
+
+def _checker(hint: Any) -> Checker:
+    """A function (value, where) -> the checked value, or ProtocolError naming ``where``; one per type hint."""
+    try:
+        found = _CHECKERS.get(hint)
+    except TypeError:  # an unhashable hint
+        found = None
+    if found is None:
+        found = _make_checker(hint)
+        try:
+            _CHECKERS[hint] = found
+        except TypeError:
+            pass
+    return found
+
+
+def _make_checker(hint: Any) -> Checker:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check(value, option, where)
-            except ProtocolError as exc:
-                errors.append(exc.message)
-        raise ProtocolError("bad_field", f"{where}: {'; '.join(errors)}")
+        args = typing.get_args(hint)
+        allow_none = type(None) in args
+        options = [_checker(o) for o in args if o is not type(None)]
+
+        def check_union(value: Any, where: str) -> Any:
+            if value is None and allow_none:
+                return None
+            errors = []
+            for option in options:
+                try:
+                    return option(value, where)
+                except ProtocolError as exc:
+                    errors.append(exc.message)
+            raise ProtocolError("bad_field", f"{where}: {'; '.join(errors)}")
+        return check_union
     if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
         (item_hint,) = typing.get_args(hint)
         if item_hint is int:  # fast path for token id lists
-            if not all(type(v) is int for v in value):
-                raise ProtocolError("bad_field", f"{where}: expected a list of ints")
-            return value
-        return [_check(v, item_hint, f"{where}[{i}]") for i, v in enumerate(value)]
+            def check_ints(value: Any, where: str) -> Any:
+                if not isinstance(value, list):
+                    raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
+                if not all(type(v) is int for v in value):
+                    raise ProtocolError("bad_field", f"{where}: expected a list of ints")
+                return value
+            return check_ints
+        item = _checker(item_hint)
+
+        def check_list(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return check_list
     if hint is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError("bad_field", f"{where}: expected a map, got {type(value).__name__}")
-        return value
+        def check_dict(value: Any, where: str) -> Any:
+            if not isinstance(value, dict):
+                raise ProtocolError("bad_field", f"{where}: expected a map, got {type(value).__name__}")
+            return value
+        return check_dict
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, where)
+        return lambda value, where: _builder(hint)(value, where)
     if hint is float:
-        if type(value) not in (int, float):
-            raise ProtocolError("bad_field", f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+        def check_float(value: Any, where: str) -> Any:
+            if type(value) not in (int, float):
+                raise ProtocolError("bad_field", f"{where}: expected a number, got {type(value).__name__}")
+            return float(value)
+        return check_float
     if hint is int:
-        if type(value) is not int:
-            raise ProtocolError("bad_field", f"{where}: expected an int, got {type(value).__name__}")
-        return value
+        def check_int(value: Any, where: str) -> Any:
+            if type(value) is not int:
+                raise ProtocolError("bad_field", f"{where}: expected an int, got {type(value).__name__}")
+            return value
+        return check_int
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        try:
-            if type(value) is not str:
-                raise ValueError(value)
-            return hint(value)
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in hint)
-            raise ProtocolError("bad_field", f"{where}: {str(value)[:40]!r} is not one of {choices}") from None
+        members = {m.value: m for m in hint}
+        choices = ", ".join(repr(m.value) for m in hint)
+
+        def check_enum(value: Any, where: str) -> Any:
+            member = members.get(value) if type(value) is str else None
+            if member is None:
+                raise ProtocolError("bad_field", f"{where}: {str(value)[:40]!r} is not one of {choices}")
+            return member
+        return check_enum
     if hint in (str, bool, bytes):
-        if type(value) is not hint:
-            raise ProtocolError("bad_field", f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-        return value
-    raise ProtocolError("bad_field", f"{where}: unsupported field type {hint}")
+        def check_exact(value: Any, where: str) -> Any:
+            if type(value) is not hint:
+                raise ProtocolError("bad_field", f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+            return value
+        return check_exact
+
+    def unsupported(value: Any, where: str) -> Any:
+        raise ProtocolError("bad_field", f"{where}: unsupported field type {hint}")
+    return unsupported
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    return _checker(hint)(value, where)
+
+
+def _builder(cls: type) -> Callable[[Any, str], Any]:
+    build = _BUILDERS.get(cls)
+    if build is None:
+        hints = _hints(cls)
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "TYPE"}
+        known_names = frozenset(known)
+        required = [n for n, f in known.items()
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        fields_ = [(n, _checker(hints[n]), _FIELD_CHECKS.get(n)) for n in known]
+
+        def build(data: Any, where: str) -> Any:
+            if not isinstance(data, dict):
+                raise ProtocolError("bad_field", f"{where}: expected a map")
+            if not data.keys() <= known_names:
+                unknown = set(data) - known_names
+                raise ProtocolError("unknown_field", f"{where}: unknown field(s) {sorted(map(str, unknown))}")
+            for name in required:
+                if name not in data:
+                    raise ProtocolError("missing_field", f"{where}.{name} is required")
+            kwargs = {}
+            for name, check, extra in fields_:
+                if name not in data:
+                    continue
+                value = kwargs[name] = check(data[name], f"{where}.{name}")
+                if extra is not None and value is not None:
+                    try:
+                        extra(value)
+                    except ValueError as exc:
+                        raise ProtocolError("bad_field", f"{where}.{name}: {str(exc)[:200]}") from None
+            return cls(**kwargs)
+        _BUILDERS[cls] = build
+    return build
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ProtocolError("bad_field", f"{where}: expected a map")
-    hints = _hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls) if f.name != "TYPE"}
-    unknown = set(data) - set(known)
-    if unknown:
-        raise ProtocolError("unknown_field", f"{where}: unknown field(s) {sorted(map(str, unknown))}")
-    kwargs = {}
-    for name, f in known.items():
-        if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError("missing_field", f"{where}.{name} is required")
-            continue
-        kwargs[name] = _check(data[name], hints[name], f"{where}.{name}")
-        if name in _FIELD_CHECKS and kwargs[name] is not None:
-            try:
-                _FIELD_CHECKS[name](kwargs[name])
-            except ValueError as exc:
-                raise ProtocolError("bad_field", f"{where}.{name}: {str(exc)[:200]}") from None
-    return cls(**kwargs)
+    return _builder(cls)(data, where)
 
 
 def decode(data: bytes, expect: type[Message] | tuple[type[Message], ...] | None = None,
