@@ -81,6 +81,7 @@ from pdd.loadgen.scrape import samples_of, scrape_sync
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.services.launch.natsserver import nats_server_binary
 from pdd.services.launch.sites import LOCAL, NETNS, SITE_A, SITE_B, SitesCluster
+from pdd.shared.backends import Backend
 from pdd.shared.pipelines import Pipeline
 from pdd.shared.roles import Role
 from pdd.transports.wan_emulation import WanConfig
@@ -107,8 +108,9 @@ def build_config(args: argparse.Namespace, run_dir: Path) -> dict:
 
     fast = "ucx" if ucx_available() else "zmq"
     return {
-        "model": {"path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16, "max_num_seqs": 64,
-                  "threads": 1},
+        "model": {"backend": args.backend, "path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16,
+                  "max_num_seqs": 64, "threads": 1},
+        "emulation": {"scenario": args.emulate, "system": "pdd", "kv_scale": 1},  # read by the emulated backend
         **two_site_layout(prefill=2, relay=2, main_decode=2),
         "transports": {
             "fast": {"name": fast, "options": {}},
@@ -585,7 +587,7 @@ async def run_scenarios(cluster: LocalCluster, names: list[str], texts: list[str
         layout = "one box" if not isinstance(cluster, SitesCluster) else (
             "two sites in network namespaces, kernel WAN" if cluster.sites.can_cut
             else f"FALLBACK two sites on one box ({fallback_why(args)})")
-        print(f"[chaos] starting the system ({layout}) in {cluster.run_dir}", flush=True)
+        print(f"[chaos] starting the system ({layout}, {args.backend} engines) in {cluster.run_dir}", flush=True)
         cluster.start(300)
         if reference is None:
             ref = await run_load(cluster, texts, args, [None] * len(texts))
@@ -619,6 +621,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "loaded box, where a first decode step can take longer)")
     p.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS), help=f"comma list from {SCENARIOS}")
     p.add_argument("--model", default=None, help="model path (default: a tiny seeded checkpoint)")
+    p.add_argument("--backend", default=Backend.TORCH.value, choices=[b.value for b in Backend],
+                   help="engine backend; emulated: no weights, --emulate's chips (the model's tokenizer still)")
+    p.add_argument("--emulate", default="small", help="with --backend emulated: the scenario (sim/scenarios)")
     p.add_argument("--kv-memory-mb", type=int, default=64)
     p.add_argument("--nats-down-s", type=float, default=5.0)
     p.add_argument("--wan-cut-s", type=float, default=10.0)

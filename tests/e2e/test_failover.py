@@ -29,9 +29,11 @@ def _assert_clean(report: dict) -> None:
         assert r["fault_mid_stream"] is not False, (name, r)  # the victim held in-flight requests when hit
 
 
-def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model):
+@pytest.mark.parametrize("backend", ["torch", "emulated"])
+def test_kill_decoders_and_cut_wan_midstream(tmp_path, tiny_model, backend):
+    """On each engine backend (emulated: the small profile, no weights; the same faults and checks)."""
     report = _run(tmp_path, tiny_model, "--requests", "12", "--max-tokens", "40", "--wan-cut-s", "4",
-                  "--scenarios", "kill_md,kill_rld,wan_cut,stop_p")
+                  "--scenarios", "kill_md,kill_rld,wan_cut,stop_p", "--backend", backend)
     _assert_clean(report)
     assert report["kill_md"]["killed"].startswith("md-") and report["kill_md"]["migrated"] > 0
     assert report["kill_rld"]["killed"].startswith("rld-") and report["kill_rld"]["migrated"] > 0
