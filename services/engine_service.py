@@ -107,6 +107,20 @@ def sampling_params(spec: SamplingSpec) -> SamplingParams:
                           logprobs=spec.logprobs)
 
 
+OUTBOX_BATCH = 256  # most messages one outbox drain publishes at once (~100 bytes per token chunk)
+
+
+def _runs_by_subject(queued: list[tuple[str, Message]]) -> list[tuple[str, list[Message]]]:
+    """Consecutive messages for the same subject, grouped: the order of everything stays as posted."""
+    runs: list[tuple[str, list[Message]]] = []
+    for subject, message in queued:
+        if runs and runs[-1][0] == subject:
+            runs[-1][1].append(message)
+        else:
+            runs.append((subject, [message]))
+    return runs
+
+
 class EngineService(Service):
     """A role that runs the engine. ``cache_finished``: keep finished requests' KV for reuse."""
 
@@ -184,15 +198,20 @@ class EngineService(Service):
         self._outbox.put_nowait((subject, message))
 
     async def _drain_outbox(self) -> None:
+        """Publish what the engine callbacks posted, in order. What is already queued goes out together: a run
+        of messages for one subject (an engine step's token chunks for one router) as one ``Batch``."""
         while True:
-            subject, message = await self._outbox.get()
-            try:
-                await self.bus.publish(subject, message)
-            except Exception as exc:
-                log.warning("publish_failed", subject=subject, error=str(exc))
-                rid = getattr(message, "request_id", None)
-                if rid:  # its stream now has a gap: free it here; the router resumes it elsewhere
-                    await self.cancel_request(rid, "publish failed")
+            queued = [await self._outbox.get()]
+            while len(queued) < OUTBOX_BATCH and not self._outbox.empty():
+                queued.append(self._outbox.get_nowait())
+            for subject, messages in _runs_by_subject(queued):
+                try:
+                    await self.bus.publish_batch(subject, messages)
+                except Exception as exc:
+                    log.warning("publish_failed", subject=subject, messages=len(messages), error=str(exc))
+                    for rid in dict.fromkeys(getattr(m, "request_id", None) for m in messages):
+                        if rid:  # its stream now has a gap: free it here; the router resumes it elsewhere
+                            await self.cancel_request(rid, "publish failed")
 
     async def on_stop(self) -> None:
         for transport in self.transports.values():

@@ -240,6 +240,16 @@ class Cancel(Message):
 
 
 @dataclass
+class Batch(Message):
+    """Messages for one subject sent as one NATS message: an engine step's token chunks for one router go
+    together instead of one message per request. The receiver decodes and handles the items in order, each
+    as if it had come alone (a bad item is rejected alone); a batch never nests and is never a request."""
+
+    TYPE: ClassVar[str] = "batch"
+    items: list[dict]  # envelopes {v, t, d}, as ``encode`` writes them
+
+
+@dataclass
 class ErrorReply(Message):
     """A request failed somewhere (or a bus message was rejected). ``code`` is machine-readable."""
 
@@ -404,10 +414,19 @@ def _encoder(cls: type) -> Callable[[Any], dict]:
     return enc
 
 
-def encode(message: Message) -> bytes:
+def _envelope(message: Message) -> dict:
     if not message.TYPE:
         raise TypeError(f"{type(message).__name__} is not a registered message type")
-    return msgpack.packb({"v": SCHEMA_VERSION, "t": message.TYPE, "d": _encoder(type(message))(message)},
+    return {"v": SCHEMA_VERSION, "t": message.TYPE, "d": _encoder(type(message))(message)}
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(_envelope(message), use_bin_type=True)
+
+
+def encode_batch(messages: list[Message]) -> bytes:
+    """Several messages as one ``Batch`` (each inside in its own envelope, in order)."""
+    return msgpack.packb({"v": SCHEMA_VERSION, "t": Batch.TYPE, "d": {"items": [_envelope(m) for m in messages]}},
                          use_bin_type=True)
 
 
@@ -569,6 +588,11 @@ def decode(data: bytes, expect: type[Message] | tuple[type[Message], ...] | None
         envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for garbage input
         raise ProtocolError("bad_frame", f"not a msgpack message ({type(exc).__name__})") from None
+    return decode_envelope(envelope, expect)
+
+
+def decode_envelope(envelope: Any, expect: type[Message] | tuple[type[Message], ...] | None = None) -> Message:
+    """An unpacked envelope {v, t, d} -> message (``decode`` without the msgpack step; a ``Batch``'s items)."""
     if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "d"}:
         raise ProtocolError("bad_frame", "expected an envelope {v, t, d}")
     if envelope["v"] != SCHEMA_VERSION:

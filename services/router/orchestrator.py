@@ -91,9 +91,13 @@ class Orchestrator:
                     if remaining <= 0:
                         raise GenerationError(504, "deadline_exceeded",
                                               f"request {req.request_id} did not finish before its deadline")
-                    try:
-                        item = await asyncio.wait_for(state.queue.get(), timeout=min(remaining, WATCH_INTERVAL_S))
-                    except asyncio.TimeoutError:
+                    try:  # a timer per wait, no task: this runs once per token of every stream
+                        if state.queue.empty():
+                            async with asyncio.timeout(min(remaining, WATCH_INTERVAL_S)):
+                                item = await state.queue.get()
+                        else:
+                            item = state.queue.get_nowait()
+                    except TimeoutError:
                         problem = self.health.problem(state)
                         if problem is not None:
                             await self._migrate(state, problem, span)

@@ -147,13 +147,20 @@ def reference(system):
 
 
 @pytest.fixture(scope="session")
-def emulated_system(tmp_path_factory, nats_url, tiny_model):
-    """The same system on the emulated backend (model.backend: emulated, the small profile)."""
-    sys_ = start_system(tmp_path_factory.mktemp("pdd-emulated"), nats_url, tiny_model,
-                        wan_options={"shape": {"delay": f"{int(WAN_DELAY_S * 1000)}ms"}},
-                        policy={"handoff_final_gap": 2}, backend="emulated")
-    yield sys_
-    sys_.stop()
+def emulated_system(tmp_path_factory, tiny_model):
+    """The same system on the emulated backend (model.backend: emulated, the small profile), on its own
+    nats-server: its instances have the torch system's ids (p-0, md-0, ...) and both may run at once."""
+    from pdd.services.launch.natsserver import start_nats_server
+
+    nats = start_nats_server()
+    try:
+        sys_ = start_system(tmp_path_factory.mktemp("pdd-emulated"), nats.url, tiny_model,
+                            wan_options={"shape": {"delay": f"{int(WAN_DELAY_S * 1000)}ms"}},
+                            policy={"handoff_final_gap": 2}, backend="emulated")
+        yield sys_
+        sys_.stop()
+    finally:
+        nats.stop()
 
 
 @pytest.fixture(scope="session")

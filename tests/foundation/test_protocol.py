@@ -29,6 +29,7 @@ def test_every_message_type_round_trips():
         "announce": Announce(instance_id="p-0", role="prefill", site="site-a", state="ready", load=0.5,
                              running_requests=2, free_kv_blocks=10, total_kv_blocks=20, heartbeat_ms=500,
                              cache_summary={"hit_rate": 0.9}),
+        "batch": protocol.Batch(items=[protocol._envelope(protocol.Cancel("r", reason="x"))]),
     }
     for cls in protocol.message_types().values():
         if cls.TYPE in samples:

@@ -1,0 +1,29 @@
+"""bench/control_plane.py end to end on one small level: real processes (router, P, RLD, MD on the emulated
+backend, nats-server), real streams. Checks what it measures is there and sane — every stream completed, the
+delivered rate and per-service CPU per token are positive, the added ITL is ITL p99 less the modeled step —
+never a speed (the box is shared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_one_level_reports_rates_latency_and_cpu_per_token(tmp_path, tiny_model) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "control_plane.py"), "--model", str(tiny_model),
+                           "--levels", "8x4", "--tokens", "60", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    (level,) = report["levels"]
+    assert level["completed"] == level["requests"] == 8
+    assert level["delivered_tokens_per_s"] > 0 and level["offered_tokens_per_s"] > 0
+    assert level["modeled_step_ms"] > 0 and level["md_steps"] >= 60 - 1
+    assert abs(level["itl_p99_ms"] - level["modeled_step_ms"] - level["added_itl_p99_ms"]) < 0.01
+    for service in ("router", "md", "p", "nats-server", "client"):
+        assert level["cpu_us_per_token"][service] > 0, (service, level)
+    assert "Rules:" in proc.stdout
