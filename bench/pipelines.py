@@ -30,6 +30,8 @@ requests meet the SLO (TT2 and mean ITL <= 1.5 x colocated's p90 from its repeat
 bisection; a setup that sustains no tried rate reports the lowest rate as an upper bound, flagged.
 
 Run: python bench/pipelines.py [--seeds 3 --wan-rate 200mbit ...]   Last stdout line: one JSON object.
+On emulated accelerators (the same setups and rules, workload and WAN from a simulator scenario, every run
+beside `pdd sim` of the same requests): python bench/pipelines.py --backend emulated (bench/pipelines_emulated.py).
 
 Why one module: it is one benchmark, read top to bottom (setups, workload, drivers, figures,
 report); the parts share its per-request records and arguments and mean nothing apart. The client,
@@ -56,10 +58,12 @@ from pdd.loadgen.positions import PositionTimes
 from pdd.loadgen.stats import Bisection, bisect_geometric, highest_passing, mean_ci95, pct
 from pdd.loadgen.workload import WORDS as _WORDS  # one-token English words
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.shared.backends import Backend
 from pdd.shared.pipelines import Pipeline
 
 TARGET_RATIO, RATIO_TOLERANCE = 1.6, 0.1  # the report: naive P50 TTFT 6.7 s / same-site 4.2 s
 SLO_SHARE = 0.9  # goodput: the share of requests that must meet the SLO
+BACKENDS = tuple(b.value for b in Backend)  # --backend: emulated runs bench/pipelines_emulated.py
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,12 @@ async def run_open_loop(base_url: str, requests: list[Planned], rate: float, see
     for _ in ordered:
         arrivals.append(t)
         t += rng.expovariate(rate)
+    return await run_at(base_url, ordered, arrivals)
+
+
+async def run_at(base_url: str, requests: list[Planned], arrivals: list[float]) -> tuple[list[Result], float]:
+    """Open loop at given times: request i goes out ``arrivals[i]`` seconds after the start, whatever the
+    system does (results in the requests' order)."""
 
     async def at(client, when: float, planned: Planned, t0: float) -> Result:
         await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
@@ -299,7 +309,7 @@ async def run_open_loop(base_url: str, requests: list[Planned], rate: float, see
 
     async with client_session() as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(at(client, a, p, t0) for a, p in zip(arrivals, ordered)))
+        results = await asyncio.gather(*(at(client, a, p, t0) for a, p in zip(arrivals, requests)))
         return list(results), time.perf_counter() - t0
 
 
@@ -402,6 +412,10 @@ def span_profile(spans: list[dict]) -> dict[str, dict[str, float]]:
 # ---------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=BACKENDS, default=Backend.TORCH.value,
+                    help="torch: real compute (this module); emulated: every engine on the emulated backend, "
+                         "workload and WAN from a simulator scenario, each run beside `pdd sim` of the same "
+                         "requests (bench/pipelines_emulated.py; `--backend emulated --help` for its options)")
     ap.add_argument("--model", default="default", help="'default' = SmolLM2-135M-Instruct")
     ap.add_argument("--seeds", type=int, default=3, help="repeats (one workload seed each)")
     ap.add_argument("--sessions", type=int, default=2, help="agent sessions per repeat")
@@ -557,10 +571,11 @@ def build_report(bench: Bench, wan: dict, shape: dict, elapsed: float) -> dict[s
         return mean_ci95([reduction(a, b) for a, b in zip(per_seed(setup_a, key, stat), per_seed("pdd", key, stat))])
 
     naive_p50 = s.get("naive", {}).get("calibration_ttft_p50")
-    colocated_p50 = s["colocated"]["calibration_ttft_p50"]
-    report: dict[str, Any] = {"bench": "pipelines", "model": bench.args.model, "repeats": bench.args.seeds,
+    colocated_p50 = s.get("colocated", {}).get("calibration_ttft_p50")
+    report: dict[str, Any] = {"bench": "pipelines", "backend": Backend.TORCH.value, "model": bench.args.model,
+                              "repeats": bench.args.seeds,
                               "naive_over_colocated_ttft_p50": (round(naive_p50 / colocated_p50, 3)
-                                                                if naive_p50 else None),
+                                                                if naive_p50 and colocated_p50 else None),
                               "workload": shape, "mean_hit": shape["mean_hit"], "wan": wan,
                               "wan_mbit": wan["mbit"], "rules": [SETUPS[n].rule for n in s]}
     ci = {}
@@ -680,6 +695,16 @@ def _mix(setup: dict) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--backend", choices=BACKENDS, default=Backend.TORCH.value)
+    known, _ = pre.parse_known_args(argv)
+    if known.backend == Backend.EMULATED:
+        # the emulated comparison is its own program (bench/pipelines_emulated.py), which imports this one's
+        # drivers and summaries: run as a child, not imported, so the two form no import circle
+        import subprocess
+
+        forwarded = list(sys.argv[1:] if argv is None else argv)
+        return subprocess.call([sys.executable, "-m", "pdd.bench.pipelines_emulated", *forwarded])
     args = parse_args(argv)
     t_start = time.monotonic()
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="pdd-bench-"))
