@@ -51,6 +51,7 @@ class BackendStream:
         self._agen = agen
         self._request_id = request_id
         self._queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: put never blocks the pump
+        self._stash: list[Any] = []  # at most one item next_ready took and gave back
         self._task = asyncio.create_task(self._pump(), name=f"pdd-gen-{request_id}")
 
     async def _pump(self) -> None:
@@ -74,16 +75,34 @@ class BackendStream:
 
     async def next(self, timeout: float | None) -> TokenEvent | None:
         """The next event; None when the generator ended without a final event."""
-        try:
-            item = await asyncio.wait_for(self._queue.get(), timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            raise GenerationError(504, "timeout", "the request exceeded its deadline") from None
+        if self._stash:
+            item = self._stash.pop()
+        elif not self._queue.empty():  # no timer when it is already there (once per token of every stream)
+            item = self._queue.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(timeout):
+                    item = await self._queue.get()
+            except TimeoutError:
+                raise GenerationError(504, "timeout", "the request exceeded its deadline") from None
         if item is _DISCONNECTED:
             raise ClientDisconnected()
         if item is _END:
             return None
         if isinstance(item, BaseException):
             raise item
+        return item
+
+    def next_ready(self) -> TokenEvent | None:
+        """The next event if it is already queued and carries no logprobs, else None (without waiting); an end,
+        an error or an event with logprobs stays for ``next``. Lets the HTTP layer send tokens that arrived
+        together as one SSE event."""
+        if self._stash or self._queue.empty():
+            return None
+        item = self._queue.get_nowait()
+        if isinstance(item, (_End, _Disconnected, BaseException)) or item.logprobs:
+            self._stash.append(item)
+            return None
         return item
 
     async def close(self) -> None:
@@ -123,39 +142,49 @@ class Delta:
 
 async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
                       deadline_unix: float) -> AsyncIterator[Delta]:
-    """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens."""
+    """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens. Events already
+    queued behind the one awaited (tokens that arrived together, e.g. while the router caught up) make one
+    delta, so one SSE event: its token count tells the client how many output positions it carries."""
     count = 0
     info: dict = {}
     while True:
         timeout = max(0.0, deadline_unix + DEADLINE_GRACE_S - time.time())
-        event = await stream.next(timeout)
+        event: TokenEvent | None = await stream.next(timeout)
         if event is None:
             log.warning("backend_ended_without_finish", request_id=stream._request_id)
             yield Delta(detok.finish(), "stop", count, info)
             return
-        info = {**info, **(event.info or {})}
         parts: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprobs] = []
         finish: str | None = None
-        taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
-        last = len(event.token_ids) - 1
-        for n, token_id in enumerate(event.token_ids):
-            count += 1
-            taken += 1
-            ends = n == last and event.finish_reason == "stop"  # the event's last token may be a stop token
-            step = detok.add_last(int(token_id)) if ends else detok.add(int(token_id))
-            parts.append(step.text)
-            if step.stopped:
-                finish = "stop"
+        while event is not None:
+            info = {**info, **(event.info or {})}
+            taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
+            last = len(event.token_ids) - 1
+            for n, token_id in enumerate(event.token_ids):
+                count += 1
+                taken += 1
+                ends = n == last and event.finish_reason == "stop"  # the event's last token may be a stop token
+                step = detok.add_last(int(token_id)) if ends else detok.add(int(token_id))
+                parts.append(step.text)
+                if step.stopped:
+                    finish = "stop"
+                    break
+                if count >= max_tokens:
+                    break
+            if finish is None and event.finish_reason is not None:
+                finish = event.finish_reason
+            elif finish is None and count >= max_tokens:
+                finish = "length"  # the backend overran max_tokens; it gets closed by the caller
+            token_ids.extend(event.token_ids[:taken])
+            if len(event.logprobs) == len(event.token_ids):
+                logprobs.extend(event.logprobs[:taken])
+            if finish is not None or event.logprobs:
                 break
-            if count >= max_tokens:
-                break
-        if finish is None and event.finish_reason is not None:
-            finish = event.finish_reason
-        elif finish is None and count >= max_tokens:
-            finish = "length"  # the backend overran max_tokens; it gets closed by the caller
+            event = stream.next_ready()
         if finish is not None and not detok.stopped:
             parts.append(detok.finish())
-        logprobs = event.logprobs[:taken] if len(event.logprobs) == len(event.token_ids) else []
-        yield Delta("".join(parts), finish, count, info if finish else {}, list(event.token_ids[:taken]), logprobs)
+        yield Delta("".join(parts), finish, count, info if finish else {}, token_ids, logprobs)
         if finish is not None:
             return
