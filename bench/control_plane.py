@@ -60,13 +60,15 @@ def levels(spec: str) -> list[tuple[int, float]]:
 
 def cluster_config(args: argparse.Namespace, dilation: float) -> dict:
     from pdd.services.launch.local_cluster import two_site_layout
+    from pdd.shared.backends import Backend
+    from pdd.shared.pipelines import Pipeline
 
     return {
-        "model": {"backend": "emulated", "path": args.model, "block_size": 16, "max_num_seqs": 512},
+        "model": {"backend": Backend.EMULATED.value, "path": args.model, "block_size": 16, "max_num_seqs": 512},
         "emulation": {"scenario": args.scenario, "system": "pdd", "kv_scale": 1, "time_dilation": dilation},
         **two_site_layout(prefill=1, relay=1, main_decode=1),
         "transports": {"fast": {"name": "zmq", "options": {}}, "wan": {"name": "zmq", "options": {"streams": 2}}},
-        "router": {"request_timeout_s": 600, "forced_pipeline": "P-MD"},
+        "router": {"request_timeout_s": 600, "forced_pipeline": Pipeline.P_MD.value},
         "service": {"heartbeat_ms": 500, "drain_timeout_s": 5},
         "telemetry": {"exporter": "none", "log_format": "json"},
     }
@@ -99,21 +101,15 @@ async def run_streams(base_url: str, n: int, tokens: int, vocab: int, seed: int)
     from pdd.loadgen.client import stream
 
     rng = random.Random(seed)
-    bodies = [{"prompt": [rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(PROMPT_TOKENS)], "max_tokens": tokens,
-               "ignore_eos": True, "stream": True, "temperature": 0,
+    bodies = [{"prompt": [rng.randrange(vocab // 8, vocab - vocab // 8) for _ in range(PROMPT_TOKENS)],
+               "max_tokens": tokens, "ignore_eos": True, "stream": True, "temperature": 0,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}} for _ in range(n)]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         return await asyncio.gather(*(stream(session, base_url + "/v1/completions", b, timeout_s=600) for b in bodies))
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
-
-
 def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: float) -> dict[str, Any]:
+    from pdd.loadgen.stats import pct
     from pdd.services import emulation
     from pdd.services.launch.local_cluster import LocalCluster
     from pdd.shared.config import EmulationConfig

@@ -704,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
         import subprocess
 
         forwarded = list(sys.argv[1:] if argv is None else argv)
-        return subprocess.call([sys.executable, "-m", "pdd.bench.pipelines_emulated", *forwarded])
+        return subprocess.call([sys.executable, "-P", "-m", "pdd.bench.pipelines_emulated", *forwarded])
     args = parse_args(argv)
     t_start = time.monotonic()
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="pdd-bench-"))
