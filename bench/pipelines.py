@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import signal
@@ -172,6 +173,12 @@ class Planned:
     def hit(self) -> float:
         return self.reuse / len(self.prompt)
 
+    @functools.cached_property
+    def body(self) -> bytes:
+        """The request's JSON, encoded once before any run: encoding a long prompt at its send time would
+        count the client's own work in its TTFT and stall the client's loop (every other stream's timing)."""
+        return json.dumps(request_body(self.prompt, self.max_tokens)).encode()
+
 
 def word_ids(model_path: str) -> list[int]:
     """Token ids of one-token English words of the model's tokenizer (prompts of real tokens)."""
@@ -243,7 +250,7 @@ def request_body(prompt: list[int], max_tokens: int) -> dict:
 async def send(session, base_url: str, planned: Planned) -> Result:
     from pdd.loadgen.client import stream
 
-    s = await stream(session, base_url + "/v1/completions", request_body(planned.prompt, planned.max_tokens))
+    s = await stream(session, base_url + "/v1/completions", planned.body)
     res = Result(planned, request_id=s.id, info=s.info)
     if s.exception is not None or s.status != 200 or s.error is not None:
         res.error = (f"{type(s.exception).__name__}: {s.exception}" if s.exception is not None
@@ -281,6 +288,8 @@ async def run_sessions(base_url: str, requests: list[Planned], think_s: float, s
             if i + 1 < len(plans) and think_s:
                 await asyncio.sleep(rng.uniform(0.5 * think_s, 1.5 * think_s))
 
+    for r in requests:
+        r.body  # noqa: B018 - encoded before the clock starts
     async with client_session() as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(client, sid, plans, t0) for sid, plans in by_session.items()))
@@ -307,6 +316,8 @@ async def run_at(base_url: str, requests: list[Planned], arrivals: list[float]) 
         await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
         return await send(client, base_url, planned)
 
+    for r in requests:
+        r.body  # noqa: B018 - encoded before the clock starts
     async with client_session() as client:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(at(client, a, p, t0) for a, p in zip(arrivals, requests)))

@@ -255,9 +255,6 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
     wan_opts: dict[str, Any] = {"streams": 2}
     if setup.cross_site:
         wan_opts["shape"] = {"rate": f"{p.link.rate_bits:.0f}bit", "delay": f"{p.link.delay_s * 1e3:g}ms"}
-    policy = p.scn.policy.model_dump()
-    policy["wan_masking_threshold_s"] *= args.time_dilation
-    policy["default_wan_gbps"] = p.link.rate_bits / 1e9
     router: dict[str, Any] = {"request_timeout_s": 900, "first_token_after_kv": setup.holds_first_token}
     if setup.forced:
         router["forced_pipeline"] = setup.forced.value
@@ -270,7 +267,7 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
         "transports": {"fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
                        "wan": {"name": "zmq", "options": wan_opts}},
         "router": router,
-        "policy": policy,
+        "policy": emulate.emulated_policy(p.scn, p.link, args.time_dilation),
         "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
         "telemetry": {"exporter": "jsonl", "jsonl_path": str(spans_path), "log_format": "json"},
     }

@@ -198,7 +198,8 @@ class EmulatedEngine(Engine):
             return outputs
         modeled = self.cost_model.batch_time(
             [r.num_computed + 1 for r in decode],
-            [(n, r.num_computed) for r, n in prefill if r.num_computed < r.prompt_len],
+            [(n, r.num_computed, r.num_computed == r.cached_tokens) for r, n in prefill
+             if r.num_computed < r.prompt_len],
             [(n, r.num_computed) for r, n in prefill if r.num_computed >= r.prompt_len],
         )
         chunks = [(r, r.num_computed, 1) for r in decode] + [(r, r.num_computed, n) for r, n in prefill]

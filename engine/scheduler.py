@@ -87,7 +87,7 @@ class Scheduler:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
             req.cache_node = None
-        req.num_computed = 0
+        req.num_computed = req.cached_tokens = 0
 
     def preempt(self, req: Request) -> None:
         self.release(req, insert=True)

@@ -247,7 +247,10 @@ class EngineService(Service):
         return CacheQueryReply(instance_id=self.instance_id, cached_tokens=cached)
 
     async def _publish_cache_events(self) -> None:
+        """Every 0.1 s, the blocks stored and removed since. The first message says ``cleared``: routers that
+        indexed an earlier process under this instance id (a restart) drop what it held."""
         subject = Subjects.cache_events(self.instance_id)
+        cleared = True
         while True:
             await asyncio.sleep(0.1)
             try:
@@ -255,7 +258,9 @@ class EngineService(Service):
                 if events:  # the bus holds publishes across a NATS outage
                     stored = [e.block_hash for e in events if e.kind == "stored"]
                     removed = [e.block_hash for e in events if e.kind == "removed"]
-                    await self.bus.publish(subject, CacheEvents(self.instance_id, stored=stored, removed=removed))
+                    await self.bus.publish(subject, CacheEvents(self.instance_id, stored=stored, removed=removed,
+                                                                cleared=cleared))
+                    cleared = False
             except Exception as exc:
                 log.debug("cache_events_failed", error=str(exc))
 

@@ -98,13 +98,15 @@ class CostModel:
         """Extend-Decode: k known tokens in one pass cost about one step plus their FLOPs."""
         return self.step_time(batch + 1, ctx_tokens) + self.p_tok * tokens
 
-    def batch_time(self, decode_ctx: Sequence[int], prompt_chunks: Sequence[tuple[int, int]] = (),
+    def batch_time(self, decode_ctx: Sequence[int], prompt_chunks: Sequence[tuple[int, int, bool]] = (),
                    extend_chunks: Sequence[tuple[int, int]] = ()) -> float:
         """One engine step that mixes work (continuous batching, chunked prefill), as the emulated engine runs it.
 
         ``decode_ctx``: per decoding sequence, the tokens it attends (its context after this step).
-        ``prompt_chunks``: (new tokens, tokens already computed) per prefill chunk; the step pays the fixed
-        prefill cost ``p0`` once, plus each chunk's token and attention FLOPs (``prefill_time`` less ``p0``).
+        ``prompt_chunks``: (new tokens, tokens already computed, whether the chunk begins its prompt) per prefill
+        chunk. A prompt pays the fixed prefill cost ``p0`` once, in the step of its first chunk, and each chunk
+        its token and attention FLOPs, so a prompt cut into chunks costs in total what ``prefill_time`` says
+        of it whole (the simulator's prefill).
         ``extend_chunks``: (known tokens, tokens already computed) per extend pass: each joins the decode
         batch as one sequence and adds its tokens' FLOPs (``extend_time``'s form).
         No work: 0."""
@@ -113,8 +115,8 @@ class CostModel:
         if batch:
             ctx = sum(decode_ctx) + sum(start + n for n, start in extend_chunks)
             t += self.step_time(batch, ctx) + self.p_tok * sum(n for n, _ in extend_chunks)
-        if prompt_chunks:
-            t += self.p0 + sum(self.prefill_time(n, start) - self.p0 for n, start in prompt_chunks)
+        for n, start, begins in prompt_chunks:
+            t += self.prefill_time(n, start) - (0.0 if begins else self.p0)
         return t
 
     @property

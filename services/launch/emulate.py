@@ -51,6 +51,17 @@ def wan_link(wan: Any, scale: float, time_dilation: float) -> EmulatedLink:
              f"{wan.setup_s * 1e3:g} ms setup per transfer"))
 
 
+def emulated_policy(scenario: Any, link: EmulatedLink, time_dilation: float) -> dict[str, Any]:
+    """The router policy of an emulated system: the scenario's (the simulator decides with the same one), its
+    masking threshold x dilation, and the link's rate as the WAN bandwidth the router assumes until main
+    decode has measured one (the config's default, 1 Gbit/s, is ~100x the emulated link's real-byte rate:
+    every transfer would look small, and every request would go P->MD)."""
+    policy = scenario.policy.model_dump()
+    policy["wan_masking_threshold_s"] *= time_dilation
+    policy["default_wan_gbps"] = link.rate_bits / 1e9
+    return policy
+
+
 def apply(base: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
     """Turn ``base`` (the config `pdd up` writes) into the emulated system of ``args.emulate``; fills the
     instance counts not given on the command line. Returns the banner lines ("emulation", "wan")."""
@@ -74,8 +85,9 @@ def apply(base: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
     profiles = {role: emulation.profile(cfg, role) for role in counts}
     scale = profiles[Role.PREFILL].scale
     shape = None
+    link = wan_link(scenario.wan, scale, cfg.time_dilation)
+    base["policy"] = {**base.get("policy", {}), **emulated_policy(scenario, link, cfg.time_dilation)}
     if args.wan is None and "shape" not in base["transports"]["wan"].get("options", {}):
-        link = wan_link(scenario.wan, scale, cfg.time_dilation)
         args.wan = f"rate={link.rate_bits:.0f}bit,delay={link.delay_s * 1e3:g}ms"
         shape = link.why
     roles = ", ".join(f"{role} {counts[role]} x ({p.chips} x {p.chip})" for role, p in profiles.items())

@@ -30,9 +30,6 @@ class PrefixIndex:
         blocks.update(events.stored)
         blocks.difference_update(events.removed)
 
-    def forget(self, instance_id: str) -> None:
-        self._blocks.pop(instance_id, None)
-
     def knows(self, instance_id: str) -> bool:
         return instance_id in self._blocks
 

@@ -25,6 +25,19 @@ from pdd.shared.roles import Role
 CACHE_QUERY_TIMEOUT_S = 0.5
 
 
+class _Hashes:
+    """A prompt's block hashes, computed once per route for both roles (milliseconds for a long prompt)."""
+
+    def __init__(self, index: PrefixIndex, prompt_ids: list[int]):
+        self._index, self._prompt_ids = index, prompt_ids
+        self._by_block_size: dict[int, list[int]] = {}
+
+    def of(self, block_size: int) -> list[int]:
+        if block_size not in self._by_block_size:
+            self._by_block_size[block_size] = self._index.hashes(self._prompt_ids, block_size)
+        return self._by_block_size[block_size]
+
+
 @dataclass
 class Route:
     pipeline: Pipeline
@@ -48,9 +61,13 @@ class Routing:
         self.wan = wan
 
     async def cached_tokens(self, inst: Announce, prompt_ids: list[int], hashes: list[int], block_size: int) -> int:
-        """How much of the prompt ``inst`` holds: from the prefix index, or asked directly while it is cold."""
+        """How much of the prompt ``inst`` holds: from the prefix index, or asked directly while it is cold
+        (this router has seen none of its cache events yet) and its last announce did not say it holds nothing.
+        Asking sends the whole prompt over the bus: tens of ms for a 64K-token prompt, on the TTFT path."""
         if self.index.knows(inst.instance_id):
             return self.index.overlap_tokens(inst.instance_id, hashes, block_size)
+        if inst.cache_summary.get("cached_blocks") == 0:
+            return 0
         try:
             reply = await self.bus.request(Subjects.instance(inst.instance_id, "cache_query"),
                                            CacheQuery(prompt_ids=prompt_ids), timeout=CACHE_QUERY_TIMEOUT_S,
@@ -59,7 +76,7 @@ class Routing:
         except BusError:
             return 0
 
-    async def best(self, role: Role, prompt_ids: list[int], exclude: set[str] = frozenset(),
+    async def best(self, role: Role, prompt_ids: list[int], hashes: _Hashes, exclude: set[str] = frozenset(),
                    wan_required: bool = False) -> tuple[Announce | None, int]:
         """The cheapest instance of ``role`` for this prompt and how many of its tokens it holds."""
         candidates = [c for c in self.registry.instances(role) if c.instance_id not in exclude]
@@ -68,7 +85,7 @@ class Routing:
         if not candidates:
             return None, 0
         block_size = int(candidates[0].cache_summary.get("block_size", self.config.model.block_size))
-        hashes = self.index.hashes(prompt_ids, block_size)
+        hashes = hashes.of(block_size)
         cached = await asyncio.gather(*(self.cached_tokens(c, prompt_ids, hashes, block_size) for c in candidates))
         costs = [instance_cost(hit, len(prompt_ids), c.load) for c, hit in zip(candidates, cached)]
         best = min(range(len(candidates)), key=lambda i: (costs[i], candidates[i].instance_id))
@@ -76,8 +93,10 @@ class Routing:
 
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
         """The request's route; GenerationError 503 when a role its pipeline needs has no instance."""
+        hashes = _Hashes(self.index, req.prompt_ids)
         (prefill, p_cached), (main_decode, md_cached) = await asyncio.gather(
-            self.best(Role.PREFILL, req.prompt_ids, exclude), self.best(Role.MAIN_DECODE, req.prompt_ids, exclude, True))
+            self.best(Role.PREFILL, req.prompt_ids, hashes, exclude),
+            self.best(Role.MAIN_DECODE, req.prompt_ids, hashes, exclude, True))
         relays = [r for r in self.registry.instances(Role.RELAY) if r.instance_id not in exclude]
         relay = min(relays, key=lambda r: (r.load, r.instance_id)) if relays else None
         if prefill is None:

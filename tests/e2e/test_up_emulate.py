@@ -38,6 +38,10 @@ def test_emulate_report_writes_the_reports_shape(tmp_path) -> None:
     scale = 50000 / 48  # the report's 50 KB/token over 48 real bytes
     assert rate_bits(shape["rate"]) == pytest.approx(10e9 / scale, rel=1e-3)  # 10 Gbit/s per flow / scale
     assert seconds(shape["delay"]) == pytest.approx(0.015 + 0.18)  # latency + per-transfer setup
+    # the router decides as the simulator does: the scenario's policy, the emulated link's rate assumed until
+    # main decode has measured one (so a 64K-token transfer is not taken for a small one)
+    assert loaded.policy.anomalous_max_output_tokens == 500
+    assert loaded.policy.default_wan_gbps * 1e9 == pytest.approx(rate_bits(shape["rate"]), rel=1e-3)
     assert "scale 1/1042" in notes["emulation"] and "GPU-B (H200-class)" in notes["emulation"]
     assert "per flow / 1042 (KV scale)" in notes["wan"]
 

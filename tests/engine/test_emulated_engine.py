@@ -252,7 +252,22 @@ def test_overrun_steps_are_counted() -> None:
 def test_batch_time_mixes_decode_prefill_and_extend() -> None:
     cm = CostModel(p0=1.0, p_tok=0.1, p_attn=0.01, d0=0.5, d_seq=0.2, d_ctx=0.001)
     assert cm.batch_time([]) == 0.0
-    assert cm.batch_time([], [(10, 0)]) == pytest.approx(cm.prefill_time(10, 0))
-    assert cm.batch_time([], [(10, 0), (4, 8)]) == pytest.approx(cm.prefill_time(10, 0) + cm.prefill_time(4, 8) - 1.0)
+    assert cm.batch_time([], [(10, 0, True)]) == pytest.approx(cm.prefill_time(10, 0))
+    # two prompts begun in one step each pay the fixed cost, as the simulator's prefill queue charges them
+    both = cm.batch_time([], [(10, 0, True), (4, 8, True)])
+    assert both == pytest.approx(cm.prefill_time(10, 0) + cm.prefill_time(4, 8))
+    # a prompt in chunks costs what it costs whole: the fixed cost once, the FLOPs of every chunk
+    chunked = cm.batch_time([], [(6, 0, True)]) + cm.batch_time([], [(4, 6, False)])
+    assert chunked == pytest.approx(cm.prefill_time(10, 0))
     assert cm.batch_time([30, 50]) == pytest.approx(cm.step_time(2, 80))
     assert cm.batch_time([30], extend_chunks=[(5, 20)]) == pytest.approx(cm.extend_time(5, 1, 55))
+
+
+def test_a_chunked_prefill_is_timed_as_one_prefill() -> None:
+    """The fixed prefill cost is paid once per prompt, not once per chunk: the live emulation and the
+    simulator (which prefills a prompt whole) then agree on a long prompt's time to first token."""
+    cm = CostModel(p0=0.5, p_tok=0.01, p_attn=0.001, d0=0.0)
+    engine = make(cost_model=cm, time_dilation=1e-9, prefill_chunk_tokens=8, max_prefill_tokens=8)
+    engine.generate([PROMPT], max_new_tokens=1)
+    assert engine.stats()["steps"] == 3  # 21 prompt tokens in chunks of 8
+    assert engine.stats()["modeled_seconds"] == pytest.approx(cm.prefill_time(len(PROMPT), 0))
