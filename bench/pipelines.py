@@ -571,9 +571,11 @@ def reduction(base: float | None, new: float | None) -> float | None:
     return 1 - new / base if base and new is not None else None
 
 
-def build_report(bench: Bench, wan: dict, shape: dict, elapsed: float) -> dict[str, Any]:
-    s = bench.setups
-    seeds = range(bench.args.seeds)
+def build_report(setups: dict[str, dict], repeats: int, model: str, wan: dict, shape: dict,
+                 elapsed: float) -> dict[str, Any]:
+    """The JSON report from each setup's measured repeats (also the emulated benchmark's, which adds its keys)."""
+    s = setups
+    seeds = range(repeats)
 
     def per_seed(setup: str, key: str, stat: str) -> list[float | None]:
         return [s[setup]["repeats"][i][key][stat] for i in seeds] if setup in s else []
@@ -583,8 +585,8 @@ def build_report(bench: Bench, wan: dict, shape: dict, elapsed: float) -> dict[s
 
     naive_p50 = s.get("naive", {}).get("calibration_ttft_p50")
     colocated_p50 = s.get("colocated", {}).get("calibration_ttft_p50")
-    report: dict[str, Any] = {"bench": "pipelines", "backend": Backend.TORCH.value, "model": bench.args.model,
-                              "repeats": bench.args.seeds,
+    report: dict[str, Any] = {"bench": "pipelines", "backend": Backend.TORCH.value, "model": model,
+                              "repeats": repeats,
                               "naive_over_colocated_ttft_p50": (round(naive_p50 / colocated_p50, 3)
                                                                 if naive_p50 and colocated_p50 else None),
                               "workload": shape, "mean_hit": shape["mean_hit"], "wan": wan,
@@ -652,14 +654,15 @@ def fmt(v: Any, nd: int = 3) -> str:
     return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
-def print_report(report: dict, bench: Bench) -> None:
+def print_report(report: dict, wan_delay: str) -> None:
+    """The table; ``wan_delay`` states the emulated WAN's one-way delay (and jitter) for its line."""
     print()
     w = report["workload"]
     print(f"Workload (all seeds): {w['requests']} requests, mean hit {w['mean_hit']:.3f}, "
           f"{w['share_hit_gt_95']:.0%} above 95 %, anomalous {w['anomalous_share']:.1%}, bins {w['bins']}, "
           f"mean prompt {w['prompt_tokens_mean']:.0f} tokens")
     wan = report["wan"]
-    print(f"WAN: {wan['mbit']:.1f} Mbit/s, {bench.args.delay} one-way ± {bench.args.jitter} ({wan['how']})")
+    print(f"WAN: {wan['mbit']:.1f} Mbit/s, {wan_delay} ({wan['how']})")
     print("Rules: times per output position (TTFT = position 0, TT2 = position 1); " + "; ".join(report["rules"]))
     cols = list(report["setups"])
     rows: list[tuple[str, Any]] = []
@@ -765,8 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for system in list(bench.systems):
             system.stop()
-    report = build_report(bench, wan, shape, time.monotonic() - t_start)
-    print_report(report, bench)
+    report = build_report(bench.setups, args.seeds, args.model, wan, shape, time.monotonic() - t_start)
+    print_report(report, f"{args.delay} one-way ± {args.jitter}")
     print(f"elapsed {report['elapsed_s']:.0f}s; logs, configs and spans under {run_root}")
     print(json.dumps(report, sort_keys=True, default=str))
     return 0

@@ -52,7 +52,6 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -279,9 +278,8 @@ class EmulatedSystem(live.System):
     def __init__(self, setup: live.Setup, run_dir: Path, p: Plan, args: argparse.Namespace):
         self.setup = setup
         self.spans_path = run_dir / "spans.jsonl"
-        env = {"UCXPY_ENABLE_PYTHON_FUTURE": "0"}
         no_cache = {} if setup.md_cache else {"md-0": {"PDD__MODEL__ENABLE_PREFIX_CACHE": "false"}}
-        self.cluster = LocalCluster(run_dir, setup_config(setup, p, args, self.spans_path), env=env,
+        self.cluster = LocalCluster(run_dir, setup_config(setup, p, args, self.spans_path),
                                     instance_env=no_cache)
 
     def pacing(self) -> dict[str, Any]:
@@ -483,10 +481,9 @@ def comparison(setup: dict[str, Any], scale: float) -> dict[str, dict[str, float
 
 def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
     p, args = bench.plan, bench.args
-    adapter = SimpleNamespace(setups=bench.setups, args=SimpleNamespace(seeds=args.seeds, model=args.model))
     wan = {"mbit": p.link.rate_bits / 1e6, "delay_ms": round(p.link.delay_s * 1e3, 3),
            "how": f"from the scenario, not calibrated: {p.link.why}"}
-    report = live.build_report(adapter, wan, shape, elapsed)
+    report = live.build_report(bench.setups, args.seeds, args.model, wan, shape, elapsed)
     d = args.time_dilation
     report.update({
         "backend": Backend.EMULATED.value, "scenario": args.scenario, "scenario_overrides": p.overrides,
@@ -550,8 +547,7 @@ def _f(v: Any, nd: int = 3) -> str:
 
 def print_report(report: dict, bench: Bench) -> None:
     args = bench.args
-    adapter = SimpleNamespace(args=SimpleNamespace(delay=f"{report['wan']['delay_ms']:g}ms", jitter="0ms"))
-    live.print_report(report, adapter)
+    live.print_report(report, f"{report['wan']['delay_ms']:g} ms one-way, no jitter")
     print(f"\nEmulated: scenario {report['scenario']} (overrides {report['scenario_overrides']}); KV scale 1/"
           f"{report['kv_scale']:.0f}; time dilation x{report['time_dilation']:g}; instances 1 P, 1 RLD, 1 MD = "
           f"fraction {report['instance_fraction']:g} of the pdd system's {report['instances']['scenario_pdd_split']}; "

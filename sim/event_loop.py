@@ -215,6 +215,7 @@ def simulate(inp: SimInput) -> SimResult:
     wan_flows = [0.0] * (wan.flows if wan else 1)
     flow_bps = wan.flow_bytes_per_s if wan else 1.0
     wan_bytes = 0.0
+    wan_sending: dict[int, tuple[float, float, float]] = {}  # rid -> (data begins, ends, bytes) of its KV transfer
     wan_naive = 0.0
     rdma_bps = inp.rdma_gbps * 1e9 / 8
     stall_v: list[float] = []
@@ -333,6 +334,8 @@ def simulate(inp: SimInput) -> SimResult:
         produced = inst.steps - req_join[rid]
         if inst.pool == 1:
             rld_tokens[rid] += produced
+            if pipe[rid] == P_RLD_MD:
+                cancel_wan_transfer(rid, now)
         finished[rid] = True
         ok[rid] = True
         finish[rid] = now
@@ -342,10 +345,22 @@ def simulate(inp: SimInput) -> SimResult:
         nonlocal wan_bytes
         t_free = heappop(wan_flows)
         begin = ready if ready > t_free else t_free
-        end = begin + wan.setup_s * jit_l[rid] + nbytes / flow_bps * tput_l[rid]
+        data_begin = begin + wan.setup_s * jit_l[rid]
+        end = data_begin + nbytes / flow_bps * tput_l[rid]
         heappush(wan_flows, end)
         wan_bytes += nbytes
+        wan_sending[rid] = (data_begin, end, nbytes)
         return end
+
+    def cancel_wan_transfer(rid: int, now: float) -> None:
+        """The relay finished the request first: the live system cancels its KV transfer to MD, and the
+        bytes not yet sent never cross the WAN (the flow stays booked to its end: a simplification)."""
+        nonlocal wan_bytes
+        sending = wan_sending.pop(rid, None)
+        if sending is None or now >= sending[1]:
+            return
+        data_begin, end, nbytes = sending
+        wan_bytes -= nbytes * (end - max(now, data_begin)) / (end - data_begin) if end > data_begin else nbytes
 
     def rdma_time(nbytes: float) -> float:
         return inp.rdma_setup_s + nbytes / rdma_bps

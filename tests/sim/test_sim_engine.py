@@ -101,3 +101,20 @@ def test_pipeline_names_come_from_the_pipeline_declaration():
     assert PIPELINE_NAMES[P_D] == BASELINE_PD
     assert [PIPELINE_NAMES[c] for c in sorted(PIPELINE_NAMES) if c != P_D] == [p.value for p in ROUTABLE]
     assert BASELINE_PD not in {p.value for p in ROUTABLE}
+
+
+@pytest.mark.parametrize("output, cut", [(20, True), (2000, False)])
+def test_a_transfer_the_relay_makes_moot_counts_only_the_bytes_sent(output, cut):
+    """P->RLD->MD: when the relay finishes before the KV reaches MD, the live system cancels the transfer, so
+    the bytes not yet sent never cross the WAN; a request the relay hands over moves all of its KV."""
+    prompt = 10_000  # under the anomalous threshold: routed P->RLD->MD (500 MB at 2 Gbit/s: 2 s > the 0.25 s mask)
+    r = simulate(SimInput(
+        arrivals=np.zeros(1), prompt=np.array([prompt]), cached=np.zeros(1, np.int64), output=np.array([output]),
+        prefill=CM, decode=CM, relay=CM, n_prefill=1, n_decode=1, n_relay=1, kv_bytes_per_token=50_000, kind="pdd",
+        wan=WanLink(bandwidth_gbps=10, per_flow_gbps=2.0, setup_s=0.05, jitter_sigma=0.0), seed=0))
+    assert r.pipeline[0] == P_RLD_MD and r.ok[0]
+    full = prompt * 50_000
+    if cut:  # 20 tokens take ~0.1 s of the transfer's ~2 s
+        assert 0 < r.wan_bytes < 0.2 * full
+    else:
+        assert r.wan_bytes >= full
