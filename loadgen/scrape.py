@@ -91,3 +91,28 @@ def pdd_figures(before: Samples | None, after: Samples | None, completed: int) -
         if gen:
             out["rld_token_share"] = rld / gen
     return out
+
+
+def histogram_quantile(before: Samples | None, after: Samples, name: str, q: float) -> float | None:
+    """The ``q`` quantile (0..1) of histogram ``name`` over the observations made between two scrapes, linear
+    within a bucket as Prometheus's histogram_quantile; None without observations. Above the last finite
+    bucket: that bucket's bound (the figure is then a lower bound)."""
+    before = before or {}
+    counts: dict[float, float] = {}
+    for labels, v in samples_of(after, name + "_bucket"):
+        le = float(labels["le"])
+        old = next((b for lb, b in samples_of(before, name + "_bucket") if lb == labels), 0.0)
+        counts[le] = counts.get(le, 0.0) + v - old
+    bounds = sorted(counts)
+    total = counts.get(float("inf"), 0.0)
+    if not bounds or total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        if counts[le] >= rank:
+            if le == float("inf"):
+                return lower
+            inside = counts[le] - below
+            return lower + (le - lower) * ((rank - below) / inside if inside > 0 else 1.0)
+        lower, below = le, counts[le]
+    return lower

@@ -42,6 +42,7 @@ from pdd.services.router.openai_schema import (
 )
 from pdd.services.router.streaming import BackendStream, ClientDisconnected, text_deltas, watch_disconnect
 from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.shared import metrics
 from pdd.shared.protocol import SamplingSpec
 from pdd.shared.tokenizer import render_messages
 
@@ -325,7 +326,10 @@ class _API:
                     news = fmt.continuous_prompt_tokens is not None and delta.completion_tokens > counted
                     if delta.text or final or news or delta.logprobs:
                         counted = delta.completion_tokens
-                        yield sse_line(fmt.chunk(delta, delta.info if final else None))
+                        line = sse_line(fmt.chunk(delta, delta.info if final else None))
+                        if delta.received:
+                            metrics.ROUTER_TOKEN_DELAY.observe(time.monotonic() - delta.received)
+                        yield line
                     if final:
                         if fmt.include_usage:
                             usage = _usage(len(greq.prompt_ids), delta.completion_tokens, delta.info)

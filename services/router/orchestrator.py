@@ -193,7 +193,7 @@ class Orchestrator:
         state = self.inflight.get(rid) if rid else None
         if state is None:
             return  # unknown, finished, or from an attempt the request migrated away from
-        state.last_progress = time.monotonic()
+        state.last_progress = received = time.monotonic()
         if isinstance(message, ErrorReply):
             outcome = failover.on_error(state, message, self.wan, self.registry)
             if outcome is not None:
@@ -221,4 +221,5 @@ class Orchestrator:
         if tokens or emission.finish_reason:
             state.flushed.extend(tokens)
             state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason,
-                                              logprobs=logprobs if len(logprobs) == len(tokens) else []))
+                                              logprobs=logprobs if len(logprobs) == len(tokens) else [],
+                                              received=received))

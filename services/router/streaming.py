@@ -138,6 +138,7 @@ class Delta:
     info: dict = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)  # the tokens this delta counts (with logprobs: theirs)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    received: float = 0.0  # when its oldest token came off the bus (time.monotonic(); 0: unknown)
 
 
 async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
@@ -158,6 +159,7 @@ async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs] = []
         finish: str | None = None
+        received = event.received
         while event is not None:
             info = {**info, **(event.info or {})}
             taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
@@ -185,6 +187,6 @@ async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_
             event = stream.next_ready()
         if finish is not None and not detok.stopped:
             parts.append(detok.finish())
-        yield Delta("".join(parts), finish, count, info if finish else {}, token_ids, logprobs)
+        yield Delta("".join(parts), finish, count, info if finish else {}, token_ids, logprobs, received)
         if finish is not None:
             return

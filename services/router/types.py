@@ -37,3 +37,4 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | None
     info: dict = field(default_factory=dict)  # on the last event: pipeline, instances, hit rates, handoff
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when the request asked
+    received: float = 0.0  # time.monotonic() when the router took these tokens off the bus (0: not from the bus)

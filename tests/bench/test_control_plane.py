@@ -24,6 +24,8 @@ def test_one_level_reports_rates_latency_and_cpu_per_token(tmp_path, tiny_model)
     assert level["delivered_tokens_per_s"] > 0 and level["offered_tokens_per_s"] > 0
     assert level["modeled_step_ms"] > 0 and level["md_steps"] >= 60 - 1
     assert abs(level["itl_p99_ms"] - level["modeled_step_ms"] - level["added_itl_p99_ms"]) < 0.01
+    # the router's own delay, from its /metrics histogram over the level: one SSE event per token or fewer
+    assert 0 < level["router_delay_p50_ms"] <= level["router_delay_p99_ms"]
     for service in ("router", "md", "p", "nats-server", "client"):
         assert level["cpu_us_per_token"][service] > 0, (service, level)
     assert "Rules:" in proc.stdout

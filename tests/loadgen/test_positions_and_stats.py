@@ -71,3 +71,25 @@ def test_sustainable_rate_search() -> None:
     never = highest_passing(lambda r: False, lo=0.2, hi=3.2, steps=3)
     assert not never.converged and never.value == 0.2 and "< 0.2" in never.note  # an upper bound, flagged
     assert never.probes[-1] == {"x": 0.2, "passed": False}
+
+
+def test_histogram_quantile_between_two_scrapes() -> None:
+    """Quantiles of a Prometheus histogram over one interval (bench/control_plane.py's router delay): only the
+    observations between the scrapes count, linear inside a bucket, the last finite bound above it."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from pdd.loadgen.scrape import histogram_quantile, parse
+
+    registry = CollectorRegistry()
+    h = Histogram("delay_seconds", "d", buckets=(0.001, 0.002, 0.005, 0.01), registry=registry)
+    for _ in range(50):
+        h.observe(0.02)  # before the interval: must not count
+    before = parse(generate_latest(registry).decode())
+    assert histogram_quantile(before, before, "delay_seconds", 0.5) is None
+    for v in [0.0015] * 98 + [0.004, 0.009]:
+        h.observe(v)
+    after = parse(generate_latest(registry).decode())
+    assert histogram_quantile(before, after, "delay_seconds", 0.5) == pytest.approx(0.001 + 0.001 * 50 / 98)
+    assert histogram_quantile(before, after, "delay_seconds", 0.99) == pytest.approx(0.005)
+    h.observe(1.0)
+    assert histogram_quantile(before, parse(generate_latest(registry).decode()), "delay_seconds", 1.0) == 0.01
