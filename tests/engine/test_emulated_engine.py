@@ -233,11 +233,10 @@ def test_a_step_waits_out_its_modeled_time() -> None:
     engine.step()  # the whole prompt in one prefill chunk: p0
     assert time.perf_counter() - t >= 0.1
     assert engine.last_step_modeled_s == pytest.approx(0.05)
-    t = time.perf_counter()
-    engine.step()  # one decode: d0 + d_seq + d_ctx x 22 attended tokens
+    engine.step()  # one decode: d0 + d_seq + d_ctx x 22 attended tokens, right after (on the modeled timeline)
     want = 0.02 + 0.001 + 0.0001 * 22
     assert engine.last_step_modeled_s == pytest.approx(want)
-    assert time.perf_counter() - t >= 2.0 * want
+    assert time.perf_counter() - t >= 2.0 * (0.05 + want)
     s = engine.stats()
     assert s["steps"] == 2 and s["modeled_seconds"] == pytest.approx(0.05 + want)
 
@@ -271,3 +270,42 @@ def test_a_chunked_prefill_is_timed_as_one_prefill() -> None:
     engine.generate([PROMPT], max_new_tokens=1)
     assert engine.stats()["steps"] == 3  # 21 prompt tokens in chunks of 8
     assert engine.stats()["modeled_seconds"] == pytest.approx(cm.prefill_time(len(PROMPT), 0))
+
+
+class _Clock:
+    """Stands in for ``time`` in engine/emulated.py: perf_counter reads it, sleep advances it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_back_to_back_steps_pay_host_work_out_of_their_budget(monkeypatch) -> None:
+    """A busy engine's steps follow each other on the modeled timeline: the host's work between two steps
+    (outputs to the event loop, publishing, the next call) is absorbed, not added to every step; after an
+    idle spell (or an overrun) a step's budget starts when it starts."""
+    import pdd.engine.emulated as emulated
+
+    clock = _Clock()
+    monkeypatch.setattr(emulated, "time", clock)
+    step_s, host_s = 0.02, 0.005
+    engine = make(cost_model=CostModel(p0=step_s, p_tok=0.0, d0=step_s))
+    engine.add_request("a", PROMPT, max_new_tokens=10)
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        clock.now += host_s  # the service's work before the next step
+    assert steps == 10 and engine.stats()["overrun_steps"] == 0
+    assert clock.now == pytest.approx(steps * step_s + host_s)  # timed per step from its start: 10 x 25 ms
+    idle_s = 1.0
+    clock.now += idle_s
+    engine.add_request("b", PROMPT, max_new_tokens=1)
+    t_arrive = clock.now
+    engine.step()
+    assert clock.now == pytest.approx(t_arrive + step_s)  # a fresh budget, not a burst to catch up
