@@ -2,7 +2,9 @@
 
 A transfer holds the link while it sends (``hold`` ... ``release``). A transfer that lost the link
 (``PeerLostError``) drops that link (``forget``) so the next transfer opens a fresh one; the dropped link
-closes only once no transfer holds it. Closing a zmq link under a send cancels that send and fails later ones
+closes only once no transfer holds it. A pool that comes back with another descriptor (a restarted main
+decoder on a new port) gets a fresh link at once, and the old one is dropped the same way: the first transfer
+to the new process does not fail on the dead one. Closing a zmq link under a send cancels that send and fails later ones
 on closed sockets: transfers that had nothing wrong with them. A failure reported late, after another
 transfer already replaced the link, leaves the newer link alone.
 """
@@ -33,6 +35,7 @@ class PeerLinks:
     def __init__(self, transports: dict[str, KVTransport]) -> None:
         self.transports = transports
         self._peers: dict[tuple[str, str], Peer] = {}
+        self._descriptors: dict[tuple[str, str], dict] = {}  # what each current link was opened to
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._holds: dict[int, _Hold] = {}  # by id(peer)
 
@@ -44,8 +47,11 @@ class PeerLinks:
         """The link to the pool ``descriptor`` names, connected on first use."""
         key = self._key(kind, descriptor)
         async with self._locks.setdefault(key, asyncio.Lock()):
+            if key in self._peers and self._descriptors[key] != descriptor:  # the pool's process was replaced
+                await self._drop(kind, key, self._peers[key])
             if key not in self._peers:
                 self._peers[key] = await self.transports[kind].connect(descriptor)
+                self._descriptors[key] = dict(descriptor)
             return self._peers[key]
 
     async def hold(self, kind: str, descriptor: dict) -> Peer:
@@ -73,7 +79,11 @@ class PeerLinks:
         current = self._peers.get(key)
         if current is None or (peer is not None and current is not peer):
             return  # already dropped (closed, or closing when its last holder lets go); a newer link stays
+        await self._drop(kind, key, current)
+
+    async def _drop(self, kind: str, key: tuple[str, str], current: Peer) -> None:
         del self._peers[key]
+        del self._descriptors[key]
         hold = self._holds.get(id(current))
         holders = hold.users if hold is not None and hold.peer is current else 0
         log.info("peer_dropped", transport=kind, peer=key[1], closes_after_transfers=holders)

@@ -69,3 +69,22 @@ async def test_send_on_a_link_closed_under_it_is_a_lost_peer() -> None:
             await asyncio.wait_for(send, 10)
         with pytest.raises(PeerLostError):  # and after: "link closed", not ENOTSOCK
             await asyncio.wait_for(pair.sender.send(pair.peer, "after", [1], [1]), 10)
+
+
+async def test_a_pool_back_with_another_descriptor_gets_a_fresh_link() -> None:
+    """A main decoder restarted under the same instance id listens on a new port: the next transfer connects
+    there at once instead of failing on the link to the dead process, which is closed (once nobody holds it)."""
+    layout = layout_for("float32")
+    async with Pair("zmq", layout) as pair, Pair("zmq", layout) as restarted:
+        svc, desc = _service(pair.sender), pair.receiver.descriptor()
+        old = await svc.hold("wan", desc)
+        moved = {**restarted.receiver.descriptor(), "instance_id": desc["instance_id"]}  # same id, new port
+        assert moved["address"] != desc["address"]
+        fresh = await svc.get("wan", moved)
+        assert fresh is not old and await svc.get("wan", moved) is fresh
+        assert old.state in pair.sender._links  # still held by a transfer: not closed under it
+        await svc.release("wan", old)
+        assert old.state not in pair.sender._links
+        back = await svc.get("wan", desc)  # and back again: a fresh link, the unused one closed at once
+        assert back not in (old, fresh) and fresh.state not in pair.sender._links
+        await _moves(pair, back, "r", [1, 2], [3, 4])
