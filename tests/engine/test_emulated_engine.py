@@ -302,10 +302,27 @@ def test_back_to_back_steps_pay_host_work_out_of_their_budget(monkeypatch) -> No
         steps += 1
         clock.now += host_s  # the service's work before the next step
     assert steps == 10 and engine.stats()["overrun_steps"] == 0
-    assert clock.now == pytest.approx(steps * step_s + host_s)  # timed per step from its start: 10 x 25 ms
+    assert clock.now == pytest.approx(steps * step_s + host_s)  # not 10 x 25 ms: timed per step from its call
     idle_s = 1.0
     clock.now += idle_s
     engine.add_request("b", PROMPT, max_new_tokens=1)
     t_arrive = clock.now
     engine.step()
     assert clock.now == pytest.approx(t_arrive + step_s)  # a fresh budget, not a burst to catch up
+
+
+def test_the_first_step_after_idle_starts_when_its_request_arrived(monkeypatch) -> None:
+    """The host's admission work (the prefix match of a long prompt, the hop onto the engine thread) is inside
+    the cost model's fixed prefill cost: an idle engine's prefill ends its modeled time after the request
+    arrived, not after the step was called."""
+    import pdd.engine.emulated as emulated
+
+    clock = _Clock()
+    monkeypatch.setattr(emulated, "time", clock)
+    step_s, host_s = 0.02, 0.005
+    engine = make(cost_model=CostModel(p0=step_s, p_tok=0.0, d0=step_s))
+    clock.now = 5.0
+    engine.add_request("a", PROMPT, max_new_tokens=1)
+    clock.now += host_s  # admission, the event loop, the runner's call
+    engine.step()
+    assert clock.now == pytest.approx(5.0 + step_s)

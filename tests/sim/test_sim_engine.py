@@ -118,3 +118,20 @@ def test_a_transfer_the_relay_makes_moot_counts_only_the_bytes_sent(output, cut)
         assert 0 < r.wan_bytes < 0.2 * full
     else:
         assert r.wan_bytes >= full
+
+
+def test_main_decode_may_hold_more_than_prefill():
+    """A later turn: MD decoded the previous answer, P never saw it. P prefills what it lacks, and only what MD
+    lacks crosses the WAN (``SimInput.md_cached``; by default MD holds P's hits)."""
+    prompt, p_hit, md_hit = 20_000, 18_000, 19_500
+
+    def run(md_cached):
+        return simulate(SimInput(
+            arrivals=np.zeros(1), prompt=np.array([prompt]), cached=np.array([p_hit]), output=np.array([600]),
+            prefill=CM, decode=CM, relay=CM, n_prefill=1, n_decode=1, n_relay=1, kv_bytes_per_token=50_000,
+            kind="pdd", wan=WanLink(bandwidth_gbps=10, per_flow_gbps=2.0, setup_s=0.05, jitter_sigma=0.0),
+            md_cached=md_cached, seed=0))
+
+    default, more = run(None), run(np.array([md_hit]))
+    assert default.wan_bytes == pytest.approx((prompt - p_hit) * 50_000, rel=0.01)
+    assert more.wan_bytes == pytest.approx((prompt - md_hit) * 50_000, rel=0.01)
