@@ -17,9 +17,9 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   hit bins, anomalous share, turns per session), optionally shorter (--context-tokens / --output-tokens; the
   policy's anomalous thresholds and the anomalous outputs scale with them), sent as token ids. A later turn's
   prompt carries the oracle's own answer to the previous turn, so main decode's cache holds what the spec says
-  is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns go out interleaved across sessions
-  (turn k of every session before turn k+1) at the Poisson times of sim/scenario.py `unit_poisson` / rate;
-  before each run one request carrying the sessions' shared prefix warms the caches (not timed).
+  is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns go out interleaved
+  across sessions (turn k of every session before turn k+1) at the Poisson times of sim/scenario.py
+  `unit_poisson` / rate, whether or not the session's previous turn has finished; before each run one request carrying the sessions' shared prefix warms the caches (not timed).
 - WAN: the scenario's link as `pdd up --emulate` shapes it (services/launch/emulate.py `wan_link`): per-flow
   rate / (KV scale x dilation), delay (latency + setup) x dilation; nothing is calibrated on any setup.
 - SLO: the scenario's (TTFT and TPOT = mean ITL, x dilation in wall seconds). Goodput = the highest rate at
@@ -28,7 +28,8 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
 - Simulator: each live run (repeat or goodput probe) is simulated (sim/event_loop.py `simulate`) with the same
   prompt / output arrays, P's and main decode's hits as above (`SimInput.md_cached`), the same arrival times,
   the same instance counts and first-token rule, and the link as the live shaper emulates it (one flow per P
-  process, no jitter or throughput spread). The report prints `sim_*` beside each live figure with the relative error (live / sim - 1); sim times x dilation.
+  process, no jitter or throughput spread). The report prints `sim_*` beside each live figure with the
+  relative error (live / sim - 1); sim times x dilation.
 
 Why one module: it is one benchmark mode, read top to bottom (the scenario as this run uses it, the workload as
 token ids, the simulator of the same run, the processes, the run, the figures); its parts share the plan and the
