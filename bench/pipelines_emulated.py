@@ -19,7 +19,8 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   prompt carries the oracle's own answer to the previous turn, so main decode's cache holds what the spec says
   is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns go out interleaved
   across sessions (turn k of every session before turn k+1) at the Poisson times of sim/scenario.py
-  `unit_poisson` / rate, whether or not the session's previous turn has finished; before each run one request carrying the sessions' shared prefix warms the caches (not timed).
+  `unit_poisson` / rate, whether or not the session's previous turn has finished; before each run one request
+  carrying the sessions' shared prefix warms the caches (not timed).
 - WAN: the scenario's link as `pdd up --emulate` shapes it (services/launch/emulate.py `wan_link`): per-flow
   rate / (KV scale x dilation), delay (latency + setup) x dilation; nothing is calibrated on any setup.
 - SLO: the scenario's (TTFT and TPOT = mean ITL, x dilation in wall seconds). Goodput = the highest rate at
