@@ -12,7 +12,8 @@ First-token rules (what the client sees, stated and equal): colocated and naive 
 when their decoder streams (conventional PD, the report's baseline); naive-stream0 and pdd stream it
 from P at once. Every time is taken per output position (per-chunk token counts from
 stream_options.continuous_usage_stats), never per SSE chunk: TTFT = position 0, TT2 = position 1,
-handoff stall = the largest gap among the first 64 positions / the request's median gap.
+handoff stall = the largest gap at the positions where main decode took over from the relay (+-2) / the
+request's median gap.
 
 The run, in order:
   1. colocated: the repeats (one per seed), then its goodput.
@@ -240,6 +241,14 @@ class Result:
     request_id: str = ""
 
 
+def handoff_stall(r: Result) -> float | None:
+    """The stall where main decode took over from the relay (position = the relay's tokens + 1); None for a
+    request with no handoff."""
+    if not (r.info.get("handoff_mode") and r.positions and r.info.get("rld_tokens")):
+        return None
+    return r.positions.stall(int(r.info["rld_tokens"]) + 1)
+
+
 def request_body(prompt: list[int], max_tokens: int) -> dict:
     # usage on every chunk: how many tokens each chunk carried, so times are per output position
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -348,7 +357,7 @@ def summarize(results: list[Result], makespan: float) -> dict[str, Any]:
     pos = [r.positions for r in ok if r.positions]
     ttft, tt2 = [p.ttft for p in pos], [p.tt2 for p in pos]
     mitl = [p.mean_itl for p in pos]
-    stalls = [x for r in ok if r.info.get("handoff_mode") and (x := r.positions.stall()) is not None]
+    stalls = [x for r in ok if (x := handoff_stall(r)) is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     pipelines: dict[str, int] = {}
     for r in ok:
@@ -614,8 +623,7 @@ def build_report(setups: dict[str, dict], repeats: int, model: str, wan: dict, s
     report["ci95"] = ci
     if "pdd" in s:
         reps = s["pdd"]["repeats"]
-        stalls = [r for rep in reps for r in rep["_results"] if r.ok and r.info.get("handoff_mode")]
-        values = [r.positions.stall() for r in stalls if r.positions.stall() is not None]
+        values = [x for rep in reps for r in rep["_results"] if r.ok and (x := handoff_stall(r)) is not None]
         report["handoff_stall_p90"] = round(pct(values, 90), 3) if values else None
         report["handoff_stall_max"] = round(max(values), 3) if values else None
         report["handoffs"] = len(values)

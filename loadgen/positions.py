@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-STALL_WINDOW = 64  # the handoff happens early: look for the largest gap among the first positions
+STALL_AROUND = 2  # positions either side of the handover whose gaps count (catch-up spreads the switch)
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,15 @@ class PositionTimes:
             return None
         return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
 
-    def stall(self, window: int = STALL_WINDOW) -> float | None:
-        """Largest gap among the first ``window`` positions over the request's median gap: 1 for an even
-        stream, large where ownership moved with a visible pause. A median of 0 (most positions arrive
-        several per chunk) falls back to the mean gap, so the ratio stays defined."""
+    def stall(self, handover: int, around: int = STALL_AROUND) -> float | None:
+        """The handoff stall: the largest gap into positions ``handover`` +- ``around`` (``handover``: main
+        decode's first position, after the relay's last) over the request's median gap. 1 for an even stream,
+        large where ownership moved with a visible pause. Position 1 (TT2: prefill to relay) never counts: it
+        is no handoff. A median of 0 (most positions arrive several per chunk) falls back to the mean gap, so
+        the ratio stays defined; None when the stream is too short or never reached the handover."""
         gaps = self.gaps
-        if len(gaps) < 3:
+        first, last = max(2, handover - around), min(len(self.times) - 1, handover + around)
+        if len(gaps) < 3 or first > last:
             return None
         typical = statistics.median(gaps) or statistics.fmean(gaps)
-        return max(gaps[:window]) / typical if typical > 0 else None
+        return max(gaps[first - 1:last]) / typical if typical > 0 else None

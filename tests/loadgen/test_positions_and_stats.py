@@ -23,15 +23,17 @@ def test_positions_from_chunks_that_carry_several_tokens() -> None:
     assert p.e2e == pytest.approx(0.9)
 
 
-def test_handoff_stall_is_the_largest_early_gap_over_the_median() -> None:
-    times = [0.0] + [0.1 + 0.01 * i for i in range(10)]  # 0 -> 0.1 is the stall, then an even 10 ms pace
+def test_handoff_stall_is_the_largest_gap_at_the_handover_over_the_median() -> None:
+    # the relay emits positions 1..99, main decode from 100: a 50 ms pause into position 100, else 10 ms
+    times = [0.0] + [0.2 + 0.01 * i for i in range(99)] + [1.23 + 0.01 * i for i in range(100)]
     p = PositionTimes(0.0, times)
-    assert p.stall() == pytest.approx(0.1 / 0.01)
-    assert PositionTimes(0.0, [0.01 * i for i in range(100)]).stall() == pytest.approx(1.0)
-    late = [0.01 * i for i in range(70)] + [2.0]  # a gap after position 64 is not a handoff stall
-    assert PositionTimes(0.0, late).stall() == pytest.approx(1.0)
+    assert p.stall(100) == pytest.approx(0.05 / 0.01)
+    assert p.stall(150) == pytest.approx(1.0)  # elsewhere the stream is even
+    assert p.stall(1) == pytest.approx(1.0)  # position 1 (prefill -> relay, 200 ms: TT2) is no handoff
+    assert PositionTimes(0.0, [0.01 * i for i in range(100)]).stall(50) == pytest.approx(1.0)
+    assert PositionTimes(0.0, [0.01 * i for i in range(10)]).stall(40) is None  # ended before the handover
     bursty = [0.0, 0.0, 0.0, 0.3, 0.3, 0.3]  # median gap 0 -> the mean gap stands in
-    assert PositionTimes(0.0, bursty).stall() == pytest.approx(0.3 / 0.06)
+    assert PositionTimes(0.0, bursty).stall(3) == pytest.approx(0.3 / 0.06)
 
 
 def test_percentile_and_interval() -> None:
