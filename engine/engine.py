@@ -494,6 +494,8 @@ class Engine:
         self.scheduler.running.remove(req)
         if req.hold_kv:
             req.status = Status.HELD
+            if self.cache_finished:
+                self.scheduler.share_prompt(req)
             return
         self.requests.pop(req.rid, None)
         self.scheduler.release(req, insert=self.cache_finished)

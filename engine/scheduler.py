@@ -78,6 +78,23 @@ class Scheduler:
             req.block_table = list(match.blocks)
             req.num_computed = req.cached_tokens = match.num_tokens
 
+    def share_prompt(self, req: Request) -> None:
+        """Store req's computed prompt KV in the radix cache now, locked until its ``release``: a held request
+        (P keeping the KV for a transfer) serves prefix hits while the transfer runs, as SGLang caches an
+        unfinished request. Without it, a session's next turn that reached P before the previous turn's KV
+        had crossed the WAN missed that whole prompt."""
+        if not self.enable_prefix_cache or not req.num_computed:
+            return
+        prompt = req.tokens[: min(req.num_computed, req.prompt_len)]
+        self.cache.insert(prompt, req.block_table)
+        match = self.cache.match(prompt, record=False)
+        if not match.num_tokens:
+            return
+        self.cache.lock(match.node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = match.node
+
     def release(self, req: Request, insert: bool) -> None:
         """Drop every block and lock of req; optionally first store its computed KV in the cache."""
         if insert and self.enable_prefix_cache and req.num_computed:

@@ -326,3 +326,23 @@ def test_the_first_step_after_idle_starts_when_its_request_arrived(monkeypatch) 
     clock.now += host_s  # admission, the event loop, the runner's call
     engine.step()
     assert clock.now == pytest.approx(5.0 + step_s)
+
+
+def test_a_held_prompt_serves_prefix_hits_before_its_release() -> None:
+    """P holds a request's KV until its transfer is done (``hold_kv``). Its prompt goes into the radix cache
+    when its prefill ends, locked until the release: the session's next turn, arriving while the KV still
+    crosses the WAN, hits it (it missed the whole prompt before), and the held blocks are never evicted."""
+    engine = make(num_blocks=16)
+    engine.add_request("turn1", PROMPT, max_new_tokens=1, hold_kv=True)
+    run_all(engine)  # prefilled, first token out, now held for export
+    full_blocks = len(PROMPT) // engine.block_size * engine.block_size
+    assert engine.cached_prefix_len(PROMPT + [5, 6, 7]) == full_blocks
+    assert engine.stats()["evictable_blocks"] == 0  # locked while held
+    held = engine.request_blocks("turn1")
+    engine.add_request("turn2", PROMPT + [5, 6, 7], max_new_tokens=2)
+    out = run_all(engine)
+    assert len(out["turn2"]) == 2 and engine.stats()["cache_hit_tokens"] >= full_blocks
+    assert engine.request_blocks("turn1") == held  # the export still reads the same blocks
+    engine.release("turn1")
+    assert engine.stats()["evictable_blocks"] == engine.stats()["cached_blocks"]  # unlocked, nothing leaked
+    assert engine.num_free_blocks() + engine.stats()["cached_blocks"] == engine.num_total_blocks()

@@ -145,7 +145,8 @@ def test_import_errors_and_abort_frees(llama_path):
     run_all(engine)
     assert engine.num_free_blocks() == 3
     engine.abort("h")
-    assert engine.num_free_blocks() == 8
+    # its prompt went into the prefix cache when its prefill ended (held for export): it stays there, evictable
+    assert engine.num_free_blocks() + engine.stats()["evictable_blocks"] == 8
 
 
 
