@@ -338,9 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-dilation", type=float, default=1.0, help="every modeled duration x this")
     ap.add_argument("--oracle-seed", type=int, default=0)
     ap.add_argument("--context-tokens", type=int, default=None, help="the workload's context (default: the scenario's)")
-    ap.add_argument("--output-tokens", type=int, default=128,
-                    help="output tokens per normal request (the report's 1024 cut to 128 so a full run fits "
-                         "~25 min on 2 cores; 0 = the scenario's)")
+    ap.add_argument("--output-tokens", type=int, default=0,
+                    help="output tokens per normal request (0: the scenario's, the report's 1024: a full run takes "
+                         "~29 min on 2 cores; e.g. 128 for a quicker look)")
     ap.add_argument("--load", type=float, default=None,
                     help="offered load as a share of naive's capacity (default: the scenario's comparison.ttft_load)")
     ap.add_argument("--rate", type=float, default=None, help="modeled req/s offered to the live fleet (overrides "
