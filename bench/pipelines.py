@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import random
@@ -52,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -716,6 +718,30 @@ def _mix(setup: dict) -> dict[str, int]:
     return out
 
 
+@contextlib.contextmanager
+def setups_running(systems: list) -> Iterator[None]:
+    """Around a benchmark's setups: SIGTERM acts as Ctrl-C, and an interrupt exits 130 once every process of
+    ``systems`` has stopped (they stop in any case). Shared with bench/pipelines_emulated.py."""
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted: stopping every process", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    finally:
+        for system in list(systems):
+            system.stop()
+
+
+def emit(report: dict, run_root: Path) -> None:
+    """The last lines of a run: where its files are, then the report as one JSON line."""
+    print(f"elapsed {report['elapsed_s']:.0f}s; logs, configs and spans under {run_root}")
+    print(json.dumps(report, sort_keys=True, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--backend", choices=BACKENDS, default=Backend.TORCH.value)
@@ -741,12 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = workload_shape([r for seed in range(args.seeds)
                             for r in build_requests(seed, args.sessions, args, bench.vocab)])
     print(f"pipelines benchmark: setups {names}, {args.seeds} seeds; run dir {run_root}", flush=True)
-
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
+    with setups_running(bench.systems):
         print("[colocated] repeats, goodput", flush=True)
         bench.setups["colocated"] = bench.run_setup(SETUPS["colocated"], None, None)
         slo = bench.setups["colocated"]["slo"]
@@ -770,16 +791,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"[{name}] repeats, goodput at {bits / 1e6:.1f} Mbit/s", flush=True)
             bench.setups[name] = bench.run_setup(SETUPS[name], f"{bits / 1e6:.3f}mbit", slo)
-    except KeyboardInterrupt:
-        print("interrupted: stopping every process", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        for system in list(bench.systems):
-            system.stop()
     report = build_report(bench.setups, args.seeds, args.model, wan, shape, time.monotonic() - t_start)
     print_report(report, f"{args.delay} one-way ± {args.jitter}")
-    print(f"elapsed {report['elapsed_s']:.0f}s; logs, configs and spans under {run_root}")
-    print(json.dumps(report, sort_keys=True, default=str))
+    emit(report, run_root)
     return 0
 
 

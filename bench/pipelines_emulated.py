@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import signal
 import sys
 import tempfile
 import time
@@ -609,25 +607,13 @@ def main(argv: list[str] | None = None) -> int:
           f"(fraction {p.fraction:g} of {p.scenario_split}); rate {p.rate:.3f} req/s modeled (scenario "
           f"{p.scenario_rate:.3f} x {p.fraction:g}); WAN {p.link.rate_bits / 1e6:.2f} Mbit/s, "
           f"{p.link.delay_s * 1e3:g} ms ({p.link.why}); run dir {run_root}", flush=True)
-
-    def on_signal(signum, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
+    with live.setups_running(bench.systems):
         for name in names:
             print(f"[{name}] system {SYSTEM_OF[name]}: repeats, goodput", flush=True)
             bench.setups[name] = bench.run_setup(live.SETUPS[name])
-    except KeyboardInterrupt:
-        print("interrupted: stopping every process", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        for system in list(bench.systems):
-            system.stop()
     report = build_report(bench, shape, time.monotonic() - t_start)
     print_report(report, bench)
-    print(f"elapsed {report['elapsed_s']:.0f}s; logs, configs and spans under {run_root}")
-    print(json.dumps(report, sort_keys=True, default=str))
+    live.emit(report, run_root)
     return 0
 
 

@@ -141,7 +141,7 @@ def wan_bench(streams_list: list[int]) -> dict:
     results = {}
     with WanEmulation(cfg) as wan:
         for streams in streams_list:
-            me = [sys.executable, os.path.abspath(__file__), "--wan-role"]
+            me = [sys.executable, "-P", os.path.abspath(__file__), "--wan-role"]  # -P: no bare-name path
             rx = subprocess.Popen([*wan.exec_prefix("b"), *me, "rx", str(streams), cfg.addr_b], stdout=subprocess.PIPE, text=True)
             desc = rx.stdout.readline()
             tx = subprocess.run([*wan.exec_prefix("a"), *me, "tx", str(streams), desc], capture_output=True, text=True, timeout=600)
