@@ -241,6 +241,7 @@ class Result:
     output_tokens: int = 0
     info: dict = field(default_factory=dict)
     request_id: str = ""
+    sent: float = 0.0  # when it went out, seconds after the run's start (drivers that schedule by time)
 
 
 def handoff_stall(r: Result) -> float | None:
@@ -319,19 +320,31 @@ async def run_open_loop(base_url: str, requests: list[Planned], rate: float, see
     return await run_at(base_url, ordered, arrivals)
 
 
-async def run_at(base_url: str, requests: list[Planned], arrivals: list[float]) -> tuple[list[Result], float]:
+async def run_at(base_url: str, requests: list[Planned], arrivals: list[float],
+                 after: list[int] | None = None) -> tuple[list[Result], float]:
     """Open loop at given times: request i goes out ``arrivals[i]`` seconds after the start, whatever the
-    system does (results in the requests' order)."""
+    system does, or, where ``after[i]`` names an earlier request (>= 0), once that one ended if that is later
+    (an agent's next turn waits for its previous answer). Results in the requests' order, each with its send
+    time (``Result.sent``, seconds after the start)."""
+    ended = [asyncio.Event() for _ in requests]
 
-    async def at(client, when: float, planned: Planned, t0: float) -> Result:
-        await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
-        return await send(client, base_url, planned)
+    async def at(client, i: int, t0: float) -> Result:
+        try:
+            if after is not None and after[i] >= 0:
+                await ended[after[i]].wait()
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            sent = time.perf_counter() - t0
+            res = await send(client, base_url, requests[i])
+            res.sent = sent
+            return res
+        finally:
+            ended[i].set()
 
     for r in requests:
         r.body  # noqa: B018 - encoded before the clock starts
     async with client_session() as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(at(client, a, p, t0) for a, p in zip(arrivals, requests)))
+        results = await asyncio.gather(*(at(client, i, t0) for i in range(len(requests))))
         return list(results), time.perf_counter() - t0
 
 

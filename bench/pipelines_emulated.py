@@ -17,17 +17,20 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   hit bins, anomalous share, turns per session), optionally shorter (--context-tokens / --output-tokens; the
   policy's anomalous thresholds and the anomalous outputs scale with them), sent as token ids. A later turn's
   prompt carries the oracle's own answer to the previous turn, so main decode's cache holds what the spec says
-  is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns go out interleaved
-  across sessions (turn k of every session before turn k+1) at the Poisson times of sim/scenario.py
-  `unit_poisson` / rate, whether or not the session's previous turn has finished; before each run one request
-  carrying the sessions' shared prefix warms the caches (not timed).
+  is cached (P never sees answers: its hit is the previous prompt's whole blocks). Turns are ordered across
+  sessions (turn k of every session before turn k+1) and timed by sim/scenario.py `unit_poisson` / rate, but a
+  turn goes out only once its session's previous turn ended, if that is later: an agent sends its next turn
+  after the answer it builds on. The simulator applies the same rule to its own timeline (`SimInput.after`), so
+  live and sim each hold turns back by their own answers. Before each run one request carrying the sessions'
+  shared prefix warms the caches (not timed).
 - WAN: the scenario's link as `pdd up --emulate` shapes it (services/launch/emulate.py `wan_link`): per-flow
   rate / (KV scale x dilation), delay (latency + setup) x dilation; nothing is calibrated on any setup.
 - SLO: the scenario's (TTFT and TPOT = mean ITL, x dilation in wall seconds). Goodput = the highest rate at
   which >= the scenario's attainment of requests meet it, by geometric bisection over multiples of the
   comparison rate (probes of fresh sessions; the lowest rate only if every probe failed).
 - Simulator: each live run (repeat or goodput probe) is simulated (sim/event_loop.py `simulate`) with the same
-  prompt / output arrays, P's and main decode's hits as above (`SimInput.md_cached`), the same arrival times,
+  prompt / output arrays, P's and main decode's hits as above (`SimInput.md_cached`), the same arrival times and
+  session order,
   the same instance counts and first-token rule, and the link as the live shaper emulates it (one flow per P
   process, no jitter or throughput spread). The report prints `sim_*` beside each live figure with the
   relative error (live / sim - 1); sim times x dilation.
@@ -160,6 +163,7 @@ class Run:
     arrays: Workload  # the simulator's prompt / cached (P's hits) / output, same order
     md_cached: np.ndarray  # main decode's hits (the spec's: it decoded the previous answer, P did not)
     unit: np.ndarray  # unit-rate arrival times (divide by a modeled rate)
+    after: np.ndarray  # per request, its session's previous turn (it goes out after that one ended), -1 for none
     warm: list[int]  # the sessions' shared prefix: one request with it warms P's and MD's caches
     seed: int
 
@@ -209,8 +213,13 @@ def build_run(p: Plan, n: int, seed: int, args: argparse.Namespace) -> Run:
     warm = max((r.prompt[:r.reuse] for r in firsts), key=len, default=[])
     arrays = Workload(np.array([len(r.prompt) for r in planned], dtype=np.int64), p_hits,
                       np.array([r.max_tokens for r in planned], dtype=np.int64))
+    last_of: dict[int, int] = {}  # session -> index of its latest turn so far
+    after = np.full(len(planned), -1, dtype=np.int64)
+    for i, r in enumerate(planned):
+        after[i] = last_of.get(r.session, -1)
+        last_of[r.session] = i
     return Run(planned, arrays, np.array([r.reuse for r in planned], dtype=np.int64),
-               unit_poisson(len(planned), seed), warm, seed)
+               unit_poisson(len(planned), seed), after, warm, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,11 +239,13 @@ def sim_input(p: Plan, setup: live.Setup, run: Run, rate: float) -> SimInput:
     inp.first_token_from_prefill = not setup.holds_first_token
     inp.drc = inp.drc and setup.md_cache
     inp.md_cached = run.md_cached
+    inp.after = run.after
     return inp
 
 
 def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> dict[str, Any]:
-    res = simulate(sim_input(p, setup, run, rate))
+    inp = sim_input(p, setup, run, rate)
+    res = simulate(inp)
     ok = res.ok
     ttft = res.ttft[ok] * d
     tpot = res.tpot[ok] * d
@@ -247,7 +258,8 @@ def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> 
 
     return {"requests": len(ok), "completed": int(ok.sum()), "ttft_s": q(ttft), "tpot_ms": q(tpot, 1000),
             "wan_bytes": float(res.wan_bytes), "slo_attainment": round(attainment(res, p.slo), 4),
-            "rld_token_share": round(res.tokens_relay / max(1.0, res.tokens_relay + res.tokens_main), 4)}
+            "rld_token_share": round(res.tokens_relay / max(1.0, res.tokens_relay + res.tokens_main), 4),
+            "turn_hold_s": round(float(np.mean(res.arrival - inp.arrivals)) * d, 4)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,12 +396,13 @@ class Bench:
         self.systems.remove(system)
 
     def one_run(self, system: EmulatedSystem, run: Run, rate: float) -> tuple[list[live.Result], float, float]:
-        """Warm the shared prefix, then the run's requests at its arrival times (modeled rate, x dilation)."""
+        """Warm the shared prefix, then the run's requests at its arrival times (modeled rate, x dilation), each
+        turn after its session's previous one."""
         asyncio.run(warm_prefix(system.base_url, run.warm))
         wan0 = system.wan_bytes()
         d = self.args.time_dilation
         arrivals = (run.unit / rate * d).tolist()
-        results, makespan = asyncio.run(live.run_at(system.base_url, run.planned, arrivals))
+        results, makespan = asyncio.run(live.run_at(system.base_url, run.planned, arrivals, run.after.tolist()))
         return results, makespan, system.wan_bytes() - wan0
 
     def within_slo(self, results: list[live.Result]) -> float:
@@ -408,6 +421,8 @@ class Bench:
             s["wan_bytes_metric"] = wan
             s["wan_bytes_modeled"] = wan * p.scale
             s["slo_attainment"] = round(self.within_slo(results), 4)
+            # how long turns waited for their session's previous answer past their Poisson time, on average
+            s["turn_hold_s"] = round(float(np.mean([r.sent - a for r, a in zip(results, run.unit / p.rate * d)])), 4)
             s["request_ids"] = [r.request_id for r in results if r.request_id]
             s["_results"] = results
             s["sim"] = sim_figures(p, setup, run, p.rate, d)
@@ -415,7 +430,8 @@ class Bench:
             print(f"  [{setup.name}] seed {seed}: {s['completed']}/{s['requests']} ok in {makespan:.1f}s; TTFT p50 "
                   f"{s['ttft_s']['p50']}s (sim {s['sim']['ttft_s']['p50']}s), mean {s['ttft_s']['mean']}s (sim "
                   f"{s['sim']['ttft_s']['mean']}s); WAN {s['wan_bytes_modeled'] / 1e9:.2f} GB (sim "
-                  f"{s['sim']['wan_bytes'] / 1e9:.2f}); {s['pipeline_mix']}", flush=True)
+                  f"{s['sim']['wan_bytes'] / 1e9:.2f}); turns held {s['turn_hold_s']}s (sim {s['sim']['turn_hold_s']}s); "
+                  f"{s['pipeline_mix']}", flush=True)
         return out
 
     def goodput(self, system: EmulatedSystem | None, setup: live.Setup) -> Bisection:
@@ -468,7 +484,7 @@ def rel_err(live_v: float | None, sim_v: float | None) -> float | None:
 
 def comparison(setup: dict[str, Any], scale: float) -> dict[str, dict[str, float | None]]:
     """Live beside sim, mean over the repeats, with the relative error: TTFT P50/P90/mean, goodput, WAN bytes
-    per request (modeled), TPOT (mean ITL) P50."""
+    per request (modeled), TPOT (mean ITL) P50, and how long turns waited for their session's previous answer."""
     reps = setup["repeats"]
 
     def mean(vals: list) -> float | None:
@@ -481,6 +497,8 @@ def comparison(setup: dict[str, Any], scale: float) -> dict[str, dict[str, float
         out[f"ttft_{stat}_s"] = {"live": lv, "sim": sv, "rel_err": rel_err(lv, sv)}
     lv, sv = mean([r["mean_itl_ms"]["p50"] for r in reps]), mean([r["sim"]["tpot_ms"]["p50"] for r in reps])
     out["tpot_p50_ms"] = {"live": lv, "sim": sv, "rel_err": rel_err(lv, sv)}
+    lv, sv = mean([r["turn_hold_s"] for r in reps]), mean([r["sim"]["turn_hold_s"] for r in reps])
+    out["turn_hold_s"] = {"live": lv, "sim": sv, "rel_err": rel_err(lv, sv)}
     n = max(1, sum(r["requests"] for r in reps))
     lv = sum(r["wan_bytes_metric"] for r in reps) * scale / n
     sv = sum(r["sim"]["wan_bytes"] for r in reps) / n
@@ -573,7 +591,8 @@ def print_report(report: dict, bench: Bench) -> None:
     print(f"{'':26s}" + "".join(f" {c:>30s}" for c in cols))
     for key, label in (("ttft_p50_s", "TTFT P50 s"), ("ttft_p90_s", "TTFT P90 s"), ("ttft_mean_s", "TTFT mean s"),
                        ("tpot_p50_ms", "TPOT P50 ms"), ("goodput_rps", "goodput req/s (modeled)"),
-                       ("wan_bytes_per_request", "WAN MB/request (modeled)")):
+                       ("wan_bytes_per_request", "WAN MB/request (modeled)"),
+                       ("turn_hold_s", "turn held for its session s")):
         cells = []
         for c in cols:
             v = report["setups"][c]["vs_sim"][key]

@@ -1,8 +1,10 @@
 """Discrete-event core: prefill queues, KV transfers, fluid continuous-batching decoders, handoff.
 
 Lean by design (1M requests must run in under a minute on one core):
-- Prefill and transfers are FIFO multi-server queues with known service times, so their start and
-  end times follow from a heap of "free at" times without events.
+- Prefill and transfers are FIFO multi-server queues with known service times: a request takes the
+  earliest-free server when it arrives, so its end follows from a heap of "free at" times at once.
+- A request may arrive only once another one has ended (`SimInput.after`: a session's next turn after
+  its previous answer), so arrivals are merged into the event stream rather than fixed up front.
 - A decoder is modelled in virtual time: every running sequence gains one token per step, so the
   next finisher is the one with the fewest tokens left. Events happen only when a batch changes
   (join, finish, relay stop), never per token.
@@ -35,7 +37,7 @@ _CODE = {Pipeline.P_MD: P_MD, Pipeline.P_RLD_MD: P_RLD_MD, Pipeline.P_RLD: P_RLD
 PIPELINE_NAMES = {**{code: pipeline.value for pipeline, code in _CODE.items()}, P_D: BASELINE_PD}
 
 # Event kinds.
-_KV_READY, _FINISH, _MD_READY, _HANDOFF, _RLD_STOP, _MD_JOIN = range(6)
+_KV_READY, _FINISH, _MD_READY, _HANDOFF, _RLD_STOP, _MD_JOIN, _PREFILLED, _ARRIVE = range(8)
 TOKEN_ID_BYTES = 15  # report: 100 token ids = 1.5 KB on the wire
 
 
@@ -43,7 +45,7 @@ TOKEN_ID_BYTES = 15  # report: 100 token ids = 1.5 KB on the wire
 class SimInput:
     """Everything one run needs; built by `scenario.py` or directly by tests and benchmarks."""
 
-    arrivals: np.ndarray
+    arrivals: np.ndarray  # a request's arrival, or its earliest one where ``after`` holds it back
     prompt: np.ndarray
     cached: np.ndarray
     output: np.ndarray
@@ -68,11 +70,14 @@ class SimInput:
     seed: int = 0
     record_itl: bool = True
     route_bandwidth_bps: float | None = None  # what the router believes the WAN does (None: the link's per-flow rate)
+    # per request, the request whose end (completed or failed) it waits for before it arrives, -1 for none: an
+    # agent sends a session's next turn only after its previous answer; None: every request arrives on time
+    after: np.ndarray | None = None
 
 
 @dataclass
 class SimResult:
-    arrival: np.ndarray
+    arrival: np.ndarray  # when each request arrived (later than SimInput.arrivals where `after` held it back)
     ttft: np.ndarray  # NaN where failed
     tpot: np.ndarray
     e2e: np.ndarray
@@ -163,18 +168,16 @@ def simulate(inp: SimInput) -> SimResult:
     service = pc.p0 + pc.p_tok * new + pc.p_attn * new * (cached + new / 2)
     if pc.p_noise:  # own stream: the other draws stay as they were
         service = service * np.random.default_rng(inp.seed + 7919).choice(np.asarray(pc.p_noise), n)
-    order_in = np.argsort(arrivals, kind="stable")
-    pend = np.empty(n)
-    free = [(0.0, i) for i in range(max(1, inp.n_prefill))]
-    heapq.heapify(free)
-    arr_l, svc_l = arrivals.tolist(), service.tolist()
-    for rid in order_in.tolist():
-        t_free, i = heapq.heappop(free)
-        end = (arr_l[rid] if arr_l[rid] > t_free else t_free) + svc_l[rid]
-        pend[rid] = end
-        heapq.heappush(free, (end, i))
-    done_order = np.argsort(pend, kind="stable").tolist()
-    pend_l = pend.tolist()
+    svc_l = service.tolist()
+    arr_l = arrivals.tolist()  # becomes the actual arrival of a request held back by `after`
+    after_l = [-1] * n if inp.after is None else np.asarray(inp.after, dtype=np.int64).tolist()
+    waiters: dict[int, list[int]] = {}  # request -> the requests that arrive once it ended
+    for rid, prev in enumerate(after_l):
+        if prev >= 0:
+            waiters.setdefault(prev, []).append(rid)
+    on_time = [rid for rid in np.argsort(arrivals, kind="stable").tolist() if after_l[rid] < 0]
+    prefill_free = [(0.0, i) for i in range(max(1, inp.n_prefill))]
+    heapq.heapify(prefill_free)
 
     # --- per-request state (plain lists: fastest in CPython) ----------------------------------
     prompt_l, cached_l, out_l = prompt.tolist(), cached.tolist(), output.tolist()
@@ -328,6 +331,7 @@ def simulate(inp: SimInput) -> SimResult:
     def admit(rid: int, pool: int, kind: int, now: float) -> None:
         if not pools[pool] or need(rid) > cap[pool]:
             finished[rid] = True  # cannot ever fit: counted failed
+            ended(rid, now)
             return
         inst = reserve(rid, pool)
         if inst is None:
@@ -348,6 +352,24 @@ def simulate(inp: SimInput) -> SimResult:
         ok[rid] = True
         finish[rid] = now
         set_reserved(inst, -need(rid))
+        ended(rid, now)
+
+    def ended(rid: int, now: float) -> None:
+        """A request ended (completed or failed): the requests waiting for it arrive now, or at their time."""
+        nonlocal seq
+        for w in waiters.pop(rid, ()):
+            seq += 1
+            heappush(events, (now if now > arr_l[w] else arr_l[w], seq, _ARRIVE, w, 0))
+
+    def arrive(rid: int, now: float) -> None:
+        """Join the FIFO prefill queue: the earliest-free prefill instance takes the request."""
+        nonlocal seq
+        arr_l[rid] = now
+        t_free, i = heappop(prefill_free)
+        end = (now if now > t_free else t_free) + svc_l[rid]
+        heappush(prefill_free, (end, i))
+        seq += 1
+        heappush(events, (end, seq, _PREFILLED, rid, 0))
 
     def wan_transfer(rid: int, nbytes: float, ready: float) -> float:
         nonlocal wan_bytes
@@ -376,21 +398,22 @@ def simulate(inp: SimInput) -> SimResult:
     rld_available = inp.n_relay > 0 and inp.relay is not None
     route_bps = inp.route_bandwidth_bps or flow_bps
     kind_sys = inp.kind
-    i_done = 0
+    i_on_time, n_on_time = 0, len(on_time)
     inf = math.inf
     while True:
-        t_next_p = pend_l[done_order[i_done]] if i_done < n else inf
-        if events and events[0][0] < t_next_p:
+        t_next_a = arr_l[on_time[i_on_time]] if i_on_time < n_on_time else inf
+        if events and events[0][0] < t_next_a:
             now, _, kind, a, b = heappop(events)
-        elif i_done < n:
-            rid = done_order[i_done]
-            i_done += 1
-            now, kind, a, b = t_next_p, -1, rid, 0
+        elif i_on_time < n_on_time:
+            now, kind, a, b = t_next_a, _ARRIVE, on_time[i_on_time], 0
+            i_on_time += 1
         else:
             break
         n_events += 1
 
-        if kind == -1:  # prefill done: route the request
+        if kind == _ARRIVE:
+            arrive(a, now)
+        elif kind == _PREFILLED:  # route the request
             rid = a
             if inp.first_token_from_prefill:
                 first[rid] = now
@@ -499,6 +522,7 @@ def simulate(inp: SimInput) -> SimResult:
                 finish[rid] = now
                 set_reserved(md, -need(rid))
                 release_check(0, now)
+                ended(rid, now)
             else:
                 join(md, rid, now, prompt_l[rid] + done_tokens, left)
                 stall_v.append(now - b + md.step)  # relay's last token -> MD's first token
@@ -506,7 +530,7 @@ def simulate(inp: SimInput) -> SimResult:
     first_a = np.array(first)
     finish_a = np.array(finish)
     ok_a = np.array(ok)
-    arr = arrivals
+    arr = np.array(arr_l)
     ttft = np.where(ok_a, first_a - arr, np.nan)
     e2e = np.where(ok_a, finish_a - arr, np.nan)
     tpot = np.where(ok_a & (output > 1), (finish_a - first_a) / np.maximum(output - 1, 1), 0.0)

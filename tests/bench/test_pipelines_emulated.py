@@ -51,6 +51,30 @@ def test_the_sim_of_a_run_follows_each_setups_rules(scenario, tiny_model, tmp_pa
     assert inputs["pdd"].wan.flows == 1 and inputs["pdd"].wan.throughput_sigma == 0
     assert all((i.arrivals == inputs["pdd"].arrivals).all() for i in inputs.values())
     assert (inputs["pdd"].n_prefill, inputs["pdd"].n_relay, inputs["pdd"].n_decode) == (1, 1, 1)
+    # a turn waits for its session's previous turn, in live and sim alike
+    assert all((i.after == run.after).all() for i in inputs.values())
+    for i, prev in enumerate(run.after.tolist()):
+        r = run.planned[i]
+        if prev < 0:
+            assert not any(q.session == r.session for q in run.planned[:i])
+        else:
+            assert (run.planned[prev].session, run.planned[prev].turn) == (r.session, r.turn - 1)
+
+
+def test_run_at_sends_a_turn_only_after_its_sessions_previous_one_ended(monkeypatch) -> None:
+    """The driver's schedule alone (the system is stood in by a fixed 1 s answer): request 1 is due at 0 s but
+    waits for request 0; request 2 has no predecessor and goes out at its time, long before request 1."""
+    import asyncio
+
+    async def answer(client, base_url, planned):
+        await asyncio.sleep(1.0)
+        return em.live.Result(planned, ok=True)
+
+    monkeypatch.setattr(em.live, "send", answer)
+    reqs = [em.live.Planned(s, t, "turn", [1, 2, 3], 1, 0) for s, t in ((0, 0), (0, 1), (1, 0))]
+    results, _ = asyncio.run(em.live.run_at("http://unused", reqs, [0.0, 0.0, 0.05], [-1, 0, -1]))
+    sent = [r.sent for r in results]
+    assert sent[1] >= 1.0 and 0.05 <= sent[2] < sent[1]
 
 
 @pytest.mark.timeout(240)
@@ -77,6 +101,7 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
         share = setup["overrun_share"]
         assert share is not None and 0 <= share <= 1 and report["overrun_share"][name] == share
         assert setup["pacing"]["steps"] > 0
+        assert rep["turn_hold_s"] >= 0 and rep["sim"]["turn_hold_s"] >= 0
         for key in ("ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "goodput_rps"):
             assert math.isfinite(setup[f"sim_{key}"]) and setup[f"sim_{key}"] > 0, (name, key)
             assert math.isfinite(setup[f"rel_err_{key}"]), (name, key)

@@ -135,3 +135,33 @@ def test_main_decode_may_hold_more_than_prefill():
     default, more = run(None), run(np.array([md_hit]))
     assert default.wan_bytes == pytest.approx((prompt - p_hit) * 50_000, rel=0.01)
     assert more.wan_bytes == pytest.approx((prompt - md_hit) * 50_000, rel=0.01)
+
+
+@pytest.mark.parametrize("kind", ["pdd", "naive", "local"])
+def test_a_request_that_waits_for_another_arrives_when_that_one_ended(kind):
+    """`SimInput.after`: a session's next turn goes out only once its previous answer ended; TTFT counts from
+    that arrival. Every request still completes, and the run without the dependency arrives on time."""
+    free = simulate(_input(kind, n=60, rate=4.0))
+    inp = _input(kind, n=60, rate=4.0)
+    after = np.full(60, -1, dtype=np.int64)
+    after[1::2] = np.arange(0, 60, 2)  # request 2k+1 waits for request 2k
+    inp.after = after
+    r = simulate(inp)
+    assert r.completed == 60 and np.array_equal(free.arrival, inp.arrivals)
+    finish = r.arrival + r.e2e
+    waited = after >= 0
+    held = np.maximum(inp.arrivals[waited], finish[after[waited]])
+    assert np.allclose(r.arrival[waited], held) and np.any(held > inp.arrivals[waited])
+    assert np.array_equal(r.arrival[~waited], inp.arrivals[~waited])
+    assert np.all(r.ttft[r.ok] > 0)
+
+
+def test_a_failed_request_still_releases_the_one_waiting_for_it():
+    inp = _input("pdd", n=4, rate=1.0, cap=9000, out=50)
+    inp.prompt = np.array([20_000, 4000, 4000, 4000])  # request 0 can never fit a decoder
+    inp.cached = np.zeros(4, dtype=np.int64)
+    inp.output = np.full(4, 50)
+    inp.after = np.array([-1, 0, 1, -1])
+    r = simulate(inp)
+    assert list(r.ok) == [False, True, True, True]
+    assert r.arrival[1] >= inp.arrivals[1] and r.arrival[2] >= r.arrival[1] + r.e2e[1] - 1e-9
