@@ -21,6 +21,7 @@ from opentelemetry import trace
 from pdd.engine import EngineInputError, OutOfBlocks, StepOutput
 from pdd.services.engine_service import EngineService, sampling_params
 from pdd.shared.bus import Envelope
+from pdd.shared.links import KVLink
 from pdd.shared.protocol import (
     ErrorReply,
     ImportPlan,
@@ -56,7 +57,9 @@ class Incoming:
 
 
 class DecoderService(EngineService):
-    transport_kind = "wan"
+    def kv_links(self) -> list[KVLink]:
+        """The links this decoder takes KV over; a transport is opened for each."""
+        raise NotImplementedError
 
     def __init__(self, config, instance):
         super().__init__(config, instance)
@@ -65,8 +68,8 @@ class DecoderService(EngineService):
 
     async def on_start(self) -> None:
         await super().on_start()
-        cfg = self.config.transports.fast if self.transport_kind == "fast" else self.config.transports.wan
-        await self.open_transport(self.transport_kind, cfg)
+        for link in self.kv_links():
+            await self.open_transport(link, self.config.transports.of(link))
         await self.bus.subscribe(Subjects.instance(self.instance_id, "prepare_import"), self._on_prepare,
                                  expect=PrepareImport)
         await self.bus.subscribe(Subjects.instance(self.instance_id, "kv_ready"), self._on_kv_ready, expect=KVReady)
@@ -95,7 +98,10 @@ class DecoderService(EngineService):
         if rid in self._cancelled:  # the Cancel ran while the blocks were being reserved: nobody sends KV
             await self.runner.call(self.engine.abort, rid)
             return cancelled
-        transport = self.transports[self.transport_kind]
+        transport = self.transports.get(message.link)
+        if transport is None:
+            return ErrorReply(code="invalid_request", message=f"{self.instance_id} takes KV over "
+                              f"{sorted(self.transports)}, not {message.link}", request_id=rid)
         remaining = max(1.0, message.deadline_unix - time.time())
         timeout = min(IMPORT_LEASE_S, remaining)
         handle = transport.expect(rid, plan.dst_blocks, timeout_s=timeout) if plan.dst_blocks else None
@@ -169,8 +175,9 @@ class DecoderService(EngineService):
         if inc is None or inc.first_token is not None:
             return
         inc.first_token = message.first_token
-        inc.wan_bytes = message.bytes_sent
-        inc.wan_seconds = message.seconds
+        if inc.req.link == KVLink.WAN:
+            inc.wan_bytes = message.bytes_sent
+            inc.wan_seconds = message.seconds
         inc.outputs = [message.first_token]
         with tracer.start_as_current_span("kv.receive", attributes={
             "request_id": message.request_id, "bytes": message.bytes_sent, "cached_tokens": inc.cached_tokens,

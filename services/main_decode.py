@@ -18,6 +18,7 @@ from pdd.engine import StepOutput
 from pdd.services.decoder_service import DecoderService, Incoming
 from pdd.shared import metrics
 from pdd.shared.bus import Envelope
+from pdd.shared.links import KVLink, link_between
 from pdd.shared.pipelines import spec
 from pdd.shared.protocol import HandoffAck, HandoffReady, HandoffTokens, Message, Subjects, TokenChunk
 from pdd.shared.roles import Role
@@ -37,8 +38,13 @@ class Decoding:
 
 class MainDecodeService(DecoderService):
     role = Role.MAIN_DECODE
-    transport_kind = "wan"
     cache_finished = True  # the Decode-side RadixCache
+
+    def kv_links(self) -> list[KVLink]:
+        """Across the WAN, and inside this site as well where the deployment puts a prefill instance in it (one
+        site, the colocated setup): the router then routes that prefill's KV over the fast link."""
+        sites = {i.site for i in self.config.instances if i.role == Role.PREFILL}
+        return sorted({KVLink.WAN} | {link_between(site, self.instance.site) for site in sites})
 
     def __init__(self, config, instance):
         super().__init__(config, instance)

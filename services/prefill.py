@@ -1,7 +1,7 @@
 """Prefill (P): prefix match, prefill, first token at once, then dual-path KV transfer.
 
-For each request the receivers (relay over the fast in-site transport, main decode over the WAN)
-are asked to prepare while the prompt is being prefilled: each answers with the prefix it already
+For each request the receivers (relay over the fast in-site transport, main decode over the WAN, or
+over the fast one where it shares P's site) are asked to prepare while the prompt is being prefilled: each answers with the prefix it already
 holds and where the rest must land, so only missing blocks move. Both transfers run in parallel.
 """
 
@@ -17,6 +17,7 @@ from pdd.engine import EngineInputError, StepOutput
 from pdd.services.engine_service import EngineService, sampling_params
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
+from pdd.shared.links import KVLink
 from pdd.shared.pipelines import spec
 from pdd.shared.protocol import (
     Cancel,
@@ -40,7 +41,8 @@ tracer = trace.get_tracer("pdd.prefill")
 @dataclass
 class Destination:
     instance_id: str
-    transport: str  # "fast" | "wan"
+    role: Role
+    link: KVLink
     use_cache: bool
 
 
@@ -53,8 +55,8 @@ class PrefillService(EngineService):
 
     async def on_start(self) -> None:
         await super().on_start()
-        await self.open_transport("fast", self.config.transports.fast)
-        await self.open_transport("wan", self.config.transports.wan)
+        for link in KVLink:
+            await self.open_transport(link, self.config.transports.of(link))
         await self.bus.subscribe(Subjects.instance(self.instance_id, "submit"), self._on_submit, expect=SubmitRequest)
 
     def in_flight(self) -> int:
@@ -89,9 +91,9 @@ class PrefillService(EngineService):
         dests = []
         kv_to = spec(req.pipeline).kv_to
         if Role.RELAY in kv_to and req.rld_instance:
-            dests.append(Destination(req.rld_instance, "fast", use_cache=False))
+            dests.append(Destination(req.rld_instance, Role.RELAY, KVLink.FAST, use_cache=False))
         if Role.MAIN_DECODE in kv_to and req.md_instance:
-            dests.append(Destination(req.md_instance, "wan", use_cache=True))
+            dests.append(Destination(req.md_instance, Role.MAIN_DECODE, req.md_link, use_cache=True))
         return dests
 
     async def _run(self, req: SubmitRequest) -> None:
@@ -143,21 +145,21 @@ class PrefillService(EngineService):
 
     async def _transfer_failed(self, req: SubmitRequest, dests: list[Destination],
                                failed: list[tuple[Destination, BaseException]]) -> None:
-        """WAN fallback: in P-RLD-MD a lost WAN transfer leaves the relay to finish the request locally.
+        """Fallback: in P-RLD-MD a lost transfer to main decode leaves the relay to finish the request locally.
 
         Any other failure ends this attempt everywhere; the router migrates or retries it.
         """
         rid = req.request_id
-        wan_only = all(d.transport == "wan" for d, _ in failed) and len(failed) < len(dests)
+        md_only = all(d.role == Role.MAIN_DECODE for d, _ in failed) and len(failed) < len(dests)
         dest, exc = failed[0]
         # only a link that lost its peer or timed out says the WAN is down; a receiver that refused the
         # frames (e.g. MD dropped the request because the relay already finished it) says nothing about it
         link_down = isinstance(exc, (PeerLostError, TransferTimeout, TimeoutError))
-        code = ("wan_transfer_failed" if link_down else "wan_transfer_refused") if dest.transport == "wan" \
+        code = ("wan_transfer_failed" if link_down else "wan_transfer_refused") if dest.link == KVLink.WAN \
             else "kv_transfer_failed"
-        if wan_only:
+        if md_only:
             await self.bus.publish(Subjects.instance(dest.instance_id, "cancel"),
-                                   Cancel(rid, reason="wan transfer failed"))
+                                   Cancel(rid, reason=f"{dest.link} transfer failed"))
             await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed "
                                   f"({exc}); the relay finishes the request locally", retryable=True)
             return
@@ -193,7 +195,7 @@ class PrefillService(EngineService):
         message = PrepareImport(
             request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=req.sampling,
             events_subject=req.events_subject, deadline_unix=req.deadline_unix, pipeline=req.pipeline,
-            use_cache=dest.use_cache, source_descriptor=self.transports[dest.transport].descriptor(),
+            use_cache=dest.use_cache, link=dest.link, source_descriptor=self.transports[dest.link].descriptor(),
             handoff_mode=req.handoff_mode, md_instance=req.md_instance, rld_instance=req.rld_instance,
         )
         plan = await self.bus.request(Subjects.instance(dest.instance_id, "prepare_import"), message,
@@ -203,7 +205,7 @@ class PrefillService(EngineService):
 
     async def _transfer(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, blocks: list[int],
                         first: int) -> None:
-        span_name = "kv.transfer.fast" if dest.transport == "fast" else "kv.transfer.wan"
+        span_name = f"kv.transfer.{dest.link}"
         skip = plan.cached_tokens // self.engine.block_size
         src = blocks[skip:]
         if len(src) != len(plan.dst_blocks):
@@ -215,20 +217,20 @@ class PrefillService(EngineService):
             nbytes, seconds = 0, 0.0
             if src:
                 # held for this send: other transfers share the link, and none may close it under this one
-                peer = await self.links.hold(dest.transport, plan.descriptor)
+                peer = await self.links.hold(dest.link, plan.descriptor)
                 t0 = time.monotonic()
                 try:
-                    stats = await self.transports[dest.transport].send(peer, req.request_id, src, plan.dst_blocks,
+                    stats = await self.transports[dest.link].send(peer, req.request_id, src, plan.dst_blocks,
                                                                        trace_context=inject_headers())
                 except PeerLostError:  # this link is gone: the next transfer opens a new one
-                    await self.links.forget(dest.transport, plan.descriptor, peer)
+                    await self.links.forget(dest.link, plan.descriptor, peer)
                     raise
                 finally:
-                    await self.links.release(dest.transport, peer)
+                    await self.links.release(dest.link, peer)
                 nbytes, seconds = stats.bytes, time.monotonic() - t0
             gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
             span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
-        if dest.transport == "wan":
+        if dest.link == KVLink.WAN:
             metrics.WAN_BYTES.labels(self.instance_id).inc(nbytes)
             metrics.WAN_TRANSFER.observe(seconds)
         else:

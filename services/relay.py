@@ -18,6 +18,7 @@ from pdd.engine import StepOutput
 from pdd.services.decoder_service import DecoderService, Incoming
 from pdd.shared import metrics
 from pdd.shared.bus import Envelope
+from pdd.shared.links import KVLink
 from pdd.shared.pipelines import HandoffMode, spec
 from pdd.shared.policy import choose_handoff_mode
 from pdd.shared.protocol import HandoffAck, HandoffReady, HandoffTokens, Message, Subjects, TokenChunk
@@ -42,8 +43,10 @@ class Relayed:
 
 class RelayService(DecoderService):
     role = Role.RELAY
-    transport_kind = "fast"
     cache_finished = False  # relay work is transient: nothing to reuse
+
+    def kv_links(self) -> list[KVLink]:
+        return [KVLink.FAST]  # the relay sits beside prefill
 
     def __init__(self, config, instance):
         super().__init__(config, instance)

@@ -31,6 +31,7 @@ from pydantic_settings import (
 from pydantic_settings.sources.utils import parse_env_vars
 
 from pdd.shared.backends import Backend
+from pdd.shared.links import KVLink
 from pdd.shared.pipelines import HandoffMode, Pipeline, routable
 from pdd.shared.policy import PolicyConfig
 from pdd.shared.protocol import check_token
@@ -202,8 +203,13 @@ class TransportConfig(_Strict):
 
 
 class TransportsConfig(_Strict):
-    fast: TransportConfig = TransportConfig(name="ucx")  # inside a site (P -> RLD)
+    """One transport per KV link (shared/links.py `KVLink`: the field names are its values)."""
+
+    fast: TransportConfig = TransportConfig(name="ucx")  # inside a site (P -> RLD, P -> MD in one site)
     wan: TransportConfig = TransportConfig(name="zmq", options={"streams": 4})  # across sites (P -> MD)
+
+    def of(self, link: KVLink) -> TransportConfig:
+        return getattr(self, link.value)
 
 
 class SiteConfig(_Strict):

@@ -101,7 +101,8 @@ KV_BLOCKS_FREE = Gauge("pdd:kv_blocks_free", "Free KV blocks", ["instance", "rol
 KV_BLOCKS_TOTAL = Gauge("pdd:kv_blocks_total", "KV blocks in the pool", ["instance", "role"])
 PREFIX_HIT_RATE = Gauge("pdd:prefix_cache_hit_rate", "Radix cache token hit rate since start", ["instance", "role"])
 WAN_BYTES = Counter("pdd:wan_bytes_total", "KV bytes sent across the WAN (P -> MD)", ["instance"])
-FAST_BYTES = Counter("pdd:fast_path_bytes_total", "KV bytes sent in-site (P -> RLD)", ["instance"])
+FAST_BYTES = Counter("pdd:fast_path_bytes_total", "KV bytes sent in-site (P -> RLD, P -> MD in one site)",
+                     ["instance"])
 WAN_TRANSFER = Histogram("pdd:wan_transfer_seconds", "P -> MD KV transfer time per request", buckets=_LATENCY)
 EXTEND_TOKENS = Histogram("pdd:extend_tokens", "Known tokens extended in one pass at handoff",
                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))

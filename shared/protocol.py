@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from pdd.shared.links import KVLink
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.roles import Role
 
@@ -116,6 +117,7 @@ class SubmitRequest(Message):
     md_instance: str | None = None
     handoff_mode: HandoffMode | None = None  # forced, else chosen by the relay
     output_ids: list[int] = field(default_factory=list)  # already emitted tokens (migration/resume)
+    md_link: KVLink = KVLink.WAN  # how main decode's KV goes: FAST where it shares prefill's site
 
 
 @dataclass
@@ -144,7 +146,8 @@ class PrepareImport(Message):
     deadline_unix: float
     pipeline: Pipeline
     use_cache: bool = True  # the relay takes the full KV; main decode reuses its radix cache
-    source_descriptor: dict = field(default_factory=dict)  # sender's transport descriptor
+    link: KVLink = KVLink.WAN  # which of the receiver's transports the KV comes over
+    source_descriptor: dict = field(default_factory=dict)  # sender's transport descriptor (of ``link``)
     handoff_mode: HandoffMode | None = None
     md_instance: str | None = None
     rld_instance: str | None = None

@@ -132,7 +132,7 @@ class Orchestrator:
             request_id=state.attempt_id, prompt_ids=req.prompt_ids, sampling=req.sampling,
             pipeline=route.pipeline, events_subject=self.events_subject, deadline_unix=req.deadline_unix,
             rld_instance=route.relay.instance_id if route.relay else None,
-            md_instance=route.main_decode.instance_id if route.main_decode else None,
+            md_instance=route.main_decode.instance_id if route.main_decode else None, md_link=route.md_link,
             handoff_mode=req.forced_handoff or self.config.router.forced_handoff))
 
     async def _cancel(self, attempt_id: str, reason: str) -> None:

@@ -17,6 +17,7 @@ from pdd.services.router.types import GenerationError, GenerationRequest
 from pdd.services.router.wan_health import WanHealth
 from pdd.shared.bus import Bus, BusError
 from pdd.shared.config import PDDConfig
+from pdd.shared.links import KVLink, link_between
 from pdd.shared.pipelines import Pipeline, spec
 from pdd.shared.policy import RouteInputs, choose_pipeline, instance_cost
 from pdd.shared.protocol import Announce, CacheQuery, CacheQueryReply, Subjects
@@ -48,6 +49,7 @@ class Route:
     p_cached: int
     md_cached: int
     wan_bytes_estimate: int
+    md_link: KVLink = KVLink.WAN  # FAST where main decode shares prefill's site and takes KV inside it
 
 
 class Routing:
@@ -119,4 +121,8 @@ class Routing:
             raise GenerationError(503, "no_decode", f"no {Role.MAIN_DECODE} instance is available; retry later")
         if Role.RELAY in needs and relay is None:
             raise GenerationError(503, "no_relay", f"pipeline {decision_pipeline} needs a {Role.RELAY}; none is available")
-        return Route(decision_pipeline, reason, prefill, relay, main_decode, p_cached, md_cached, wan_bytes)
+        md_link = KVLink.WAN
+        if main_decode is not None and link_between(prefill.site, main_decode.site) in main_decode.endpoints:
+            md_link = link_between(prefill.site, main_decode.site)
+        return Route(decision_pipeline, reason, prefill, relay, main_decode, p_cached, md_cached,
+                     wan_bytes if md_link == KVLink.WAN else 0, md_link)

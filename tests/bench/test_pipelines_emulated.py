@@ -59,6 +59,7 @@ def test_the_sim_of_a_run_follows_each_setups_rules(scenario, tiny_model, tmp_pa
             assert not any(q.session == r.session for q in run.planned[:i])
         else:
             assert (run.planned[prev].session, run.planned[prev].turn) == (r.session, r.turn - 1)
+    assert (em.open_loop(run).after == -1).all()  # goodput probes offer their rate
 
 
 def test_run_at_sends_a_turn_only_after_its_sessions_previous_one_ended(monkeypatch) -> None:
@@ -111,4 +112,6 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
         assert report["setups"][name]["repeats"][0]["wan_bytes_metric"] > 0, name
         assert math.isfinite(report["setups"][name]["rel_err_wan_bytes_per_request"]), name
     assert report["wan_bytes_ratio_naive_over_pdd"] > 1 and report["sim_wan_bytes_ratio_naive_over_pdd"] > 1
+    hit = report["workload_md_hit"]
+    assert 0 < hit < 1 and report["wan_bytes_ratio_if_only_missing_kv"] == pytest.approx(1 / (1 - hit), rel=1e-3)
     assert {"pdd:P-MD", "pdd:P-RLD-MD"} & {f"pdd:{k}" for k in report["setups"]["pdd"]["repeats"][0]["pipeline_mix"]}

@@ -65,14 +65,14 @@ EMULATION = {"scenario": "small", "system": "pdd", "kv_scale": 1}
 
 
 def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None = None,
-                 policy: dict | None = None, backend: str = "torch") -> System:
+                 policy: dict | None = None, backend: str = "torch", main_decode_site: str = "site-b") -> System:
     port = free_port()
     config = {
         "model": {"backend": backend, "path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32,
                   "threads": 1},
         "emulation": EMULATION,
         "nats": {"url": nats_url},
-        **two_site_layout(),
+        **two_site_layout(main_decode_site=main_decode_site),
         "transports": {
             "fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
             "wan": {"name": "zmq", "options": {"streams": 2, **(wan_options or {})}},
