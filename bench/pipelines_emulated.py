@@ -437,7 +437,8 @@ class Bench:
             print(f"  [{setup.name}] seed {seed}: {s['completed']}/{s['requests']} ok in {makespan:.1f}s; TTFT p50 "
                   f"{s['ttft_s']['p50']}s (sim {s['sim']['ttft_s']['p50']}s), mean {s['ttft_s']['mean']}s (sim "
                   f"{s['sim']['ttft_s']['mean']}s); WAN {s['wan_bytes_modeled'] / 1e9:.2f} GB (sim "
-                  f"{s['sim']['wan_bytes'] / 1e9:.2f}); turns held {s['turn_hold_s']}s (sim {s['sim']['turn_hold_s']}s); "
+                  f"{s['sim']['wan_bytes'] / 1e9:.2f}); turns held {s['turn_hold_s']}s "
+                  f"(sim {s['sim']['turn_hold_s']}s); "
                   f"{s['pipeline_mix']}", flush=True)
         return out
 
@@ -621,7 +622,8 @@ def print_report(report: dict, bench: Bench) -> None:
         if f"sim_{key}" in report:
             print(f"  {key:38s} live {_f(report.get(key))}  sim {_f(report[f'sim_{key}'])}")
     if report.get("wan_bytes_ratio_if_only_missing_kv"):
-        print(f"  WAN ratio if only the KV main decode lacks crossed: {_f(report['wan_bytes_ratio_if_only_missing_kv'])} "
+        print("  WAN ratio if only the KV main decode lacks crossed: "
+              f"{_f(report['wan_bytes_ratio_if_only_missing_kv'])} "
               f"(these requests' token-weighted hit {_f(report['workload_md_hit'], 4)}; 10x is a hit of 0.90)")
 
 

@@ -1,8 +1,9 @@
 """Prefill (P): prefix match, prefill, first token at once, then dual-path KV transfer.
 
 For each request the receivers (relay over the fast in-site transport, main decode over the WAN, or
-over the fast one where it shares P's site) are asked to prepare while the prompt is being prefilled: each answers with the prefix it already
-holds and where the rest must land, so only missing blocks move. Both transfers run in parallel.
+over the fast one where it shares P's site) are asked to prepare while the prompt is being prefilled:
+each answers with the prefix it already holds and where the rest must land, so only missing blocks
+move. Both transfers run in parallel.
 """
 
 from __future__ import annotations
