@@ -42,7 +42,6 @@ tracer = trace.get_tracer("pdd.prefill")
 @dataclass
 class Destination:
     instance_id: str
-    role: Role
     link: KVLink
     use_cache: bool
 
@@ -92,9 +91,9 @@ class PrefillService(EngineService):
         dests = []
         kv_to = spec(req.pipeline).kv_to
         if Role.RELAY in kv_to and req.rld_instance:
-            dests.append(Destination(req.rld_instance, Role.RELAY, KVLink.FAST, use_cache=False))
+            dests.append(Destination(req.rld_instance, KVLink.FAST, use_cache=False))
         if Role.MAIN_DECODE in kv_to and req.md_instance:
-            dests.append(Destination(req.md_instance, Role.MAIN_DECODE, req.md_link, use_cache=True))
+            dests.append(Destination(req.md_instance, req.md_link, use_cache=True))
         return dests
 
     async def _run(self, req: SubmitRequest) -> None:
@@ -146,21 +145,21 @@ class PrefillService(EngineService):
 
     async def _transfer_failed(self, req: SubmitRequest, dests: list[Destination],
                                failed: list[tuple[Destination, BaseException]]) -> None:
-        """Fallback: in P-RLD-MD a lost transfer to main decode leaves the relay to finish the request locally.
+        """WAN fallback: in P-RLD-MD a lost WAN transfer leaves the relay to finish the request locally.
 
         Any other failure ends this attempt everywhere; the router migrates or retries it.
         """
         rid = req.request_id
-        md_only = all(d.role == Role.MAIN_DECODE for d, _ in failed) and len(failed) < len(dests)
+        wan_only = all(d.link == KVLink.WAN for d, _ in failed) and len(failed) < len(dests)
         dest, exc = failed[0]
         # only a link that lost its peer or timed out says the WAN is down; a receiver that refused the
         # frames (e.g. MD dropped the request because the relay already finished it) says nothing about it
         link_down = isinstance(exc, (PeerLostError, TransferTimeout, TimeoutError))
         code = ("wan_transfer_failed" if link_down else "wan_transfer_refused") if dest.link == KVLink.WAN \
             else "kv_transfer_failed"
-        if md_only:
+        if wan_only:
             await self.bus.publish(Subjects.instance(dest.instance_id, "cancel"),
-                                   Cancel(rid, reason=f"{dest.link} transfer failed"))
+                                   Cancel(rid, reason="wan transfer failed"))
             await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed "
                                   f"({exc}); the relay finishes the request locally", retryable=True)
             return

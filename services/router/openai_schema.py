@@ -254,7 +254,7 @@ class _Common(_Model):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]  # ids: range checked by the API
     logprobs: StrictInt | None = None
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
