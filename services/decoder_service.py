@@ -86,6 +86,10 @@ class DecoderService(EngineService):
                               retryable=True)
         if rid in self.incoming:
             return ErrorReply(code="duplicate", message=f"request {rid} already imported here", request_id=rid)
+        transport = self.transports.get(message.link)
+        if transport is None:  # checked before any block is reserved: a refusal holds nothing
+            return ErrorReply(code="invalid_request", message=f"{self.instance_id} takes KV over "
+                              f"{sorted(self.transports)}, not {message.link}", request_id=rid)
         cancelled = ErrorReply(code="cancelled", message=f"request {rid} was cancelled", request_id=rid)
         if rid in self._cancelled:
             return cancelled
@@ -98,10 +102,6 @@ class DecoderService(EngineService):
         if rid in self._cancelled:  # the Cancel ran while the blocks were being reserved: nobody sends KV
             await self.runner.call(self.engine.abort, rid)
             return cancelled
-        transport = self.transports.get(message.link)
-        if transport is None:
-            return ErrorReply(code="invalid_request", message=f"{self.instance_id} takes KV over "
-                              f"{sorted(self.transports)}, not {message.link}", request_id=rid)
         remaining = max(1.0, message.deadline_unix - time.time())
         timeout = min(IMPORT_LEASE_S, remaining)
         handle = transport.expect(rid, plan.dst_blocks, timeout_s=timeout) if plan.dst_blocks else None

@@ -108,7 +108,7 @@ class WanEmulation:
                 _sh("ip", "netns", "add", ns)
                 _sh("ip", "-n", ns, "link", "set", "lo", "up")
             relay = subprocess.Popen(
-                [sys.executable, "-m", "pdd.transports.wan_emulation", "relay", c.tun_a, c.tun_b,
+                [sys.executable, "-P", "-m", "pdd.transports.wan_emulation", "relay", c.tun_a, c.tun_b,
                  str(seconds(c.delay)), str(seconds(c.jitter)), str(fraction(c.loss))],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
             if relay.stdout.readline().strip() != b"READY":

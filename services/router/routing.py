@@ -121,8 +121,8 @@ class Routing:
             raise GenerationError(503, "no_decode", f"no {Role.MAIN_DECODE} instance is available; retry later")
         if Role.RELAY in needs and relay is None:
             raise GenerationError(503, "no_relay", f"pipeline {decision_pipeline} needs a {Role.RELAY}; none is available")
-        md_link = KVLink.WAN
-        if main_decode is not None and link_between(prefill.site, main_decode.site) in main_decode.endpoints:
-            md_link = link_between(prefill.site, main_decode.site)
+        md_link = link_between(prefill.site, main_decode.site) if main_decode else KVLink.WAN
+        if md_link not in (main_decode.endpoints if main_decode else ()):  # a decoder without that transport
+            md_link = KVLink.WAN
         return Route(decision_pipeline, reason, prefill, relay, main_decode, p_cached, md_cached,
                      wan_bytes if md_link == KVLink.WAN else 0, md_link)

@@ -29,6 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdd.shared import protocol
+from pdd.shared.links import KVLink
 from pdd.shared.protocol import (
     Announce,
     Cancel,
@@ -540,10 +541,32 @@ def test_cancel_that_overtakes_prepare_import_reserves_nothing(fuzz_cluster) -> 
                 prepare = PrepareImport(request_id=rid, prompt_ids=list(range(40, 80)),
                                         sampling=SamplingSpec(max_tokens=2), events_subject=EVENTS,
                                         deadline_unix=time.time() + 60, pipeline="P-RLD-MD",
-                                        use_cache=target == "md-0")
+                                        use_cache=target == "md-0",
+                                        link=KVLink.WAN if target == "md-0" else KVLink.FAST)
                 reply = protocol.decode((await nc.request(Subjects.instance(target, "prepare_import"),
                                                           prepare.encode(), timeout=10)).data)
                 assert reply.TYPE == "error" and reply.code == "cancelled", reply
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+    assert fuzz_cluster.leaked_blocks() == {"p-0": 0, "rld-0": 0, "md-0": 0}
+
+
+def test_prepare_import_over_a_link_the_decoder_lacks_is_refused_and_reserves_nothing(fuzz_cluster) -> None:
+    """The relay takes KV only inside its site, and a main decoder in another site than every prefill only over
+    the WAN: a PrepareImport naming the other link gets invalid_request, before any block is reserved."""
+    async def main() -> None:
+        nc = await nats.connect(fuzz_cluster.nats.url, name="fuzz-regression")
+        try:
+            for target, link in (("rld-0", KVLink.WAN), ("md-0", KVLink.FAST)):
+                prepare = PrepareImport(request_id=f"fz-link-{target}", prompt_ids=list(range(40, 120)),
+                                        sampling=SamplingSpec(max_tokens=2), events_subject=EVENTS,
+                                        deadline_unix=time.time() + 60, pipeline="P-RLD-MD", link=link)
+                reply = protocol.decode((await nc.request(Subjects.instance(target, "prepare_import"),
+                                                          prepare.encode(), timeout=10)).data)
+                assert reply.TYPE == "error" and reply.code == "invalid_request", reply
+                assert f"not {link.value}" in reply.message
         finally:
             await nc.close()
 
