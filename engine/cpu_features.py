@@ -1,9 +1,11 @@
-"""Which dtype to serve in: ``dtype: auto`` resolves here, from the CPU's bf16 instructions.
+"""Which dtype to serve in: ``dtype: auto`` resolves here, by measurement where there is a model to measure.
 
-bf16 weights halve the bytes every decode step reads (batch-1 decode is memory-bandwidth bound), but
-only CPUs with native bf16 arithmetic (AVX512-BF16, or AMX tiles) run bf16 GEMMs fast; elsewhere torch
-emulates bf16 through fp32 conversions and serving would slow down. So ``auto`` picks bf16 only where
-one of those flags is present, and fp32 otherwise. On Linux the flags come from /proc/cpuinfo (the
+bf16 weights halve the bytes every decode step reads (batch-1 decode is memory-bandwidth bound), but only
+CPUs with native bf16 arithmetic (AVX512-BF16, or AMX tiles) multiply them fast; elsewhere our kernel widens
+them to fp32 (prefill no faster than fp32) and torch's own routes emulate bf16 (far slower). So an engine
+resolves ``auto`` by timing its model's layer shapes in both dtypes (engine/dtype_probe.py, cached per CPU).
+Without a model to measure (a config check, the launcher's summary) or without our kernel, the CPU's flags
+decide: bf16 where one of them is present, fp32 otherwise. On Linux the flags come from /proc/cpuinfo (the
 kernel's word, also true inside containers); elsewhere from torch's own CPU probe.
 
 ``PDD_NATIVE_BF16=1`` / ``=0`` in the environment overrides the detection (and says so in the reason):
@@ -12,18 +14,20 @@ to check either resolution of ``auto`` on one machine, e.g. run the tests as an 
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from pdd.kernels import activation_dtype
+from pdd.kernels.native import NATIVE_BF16_ENV, native_bf16_override
 from pdd.shared.kv_layout import DTYPE_NAMES
 
 AUTO = "auto"
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of native bf16 arithmetic
 SERVING_DTYPES = DTYPE_NAMES
-NATIVE_BF16_ENV = "PDD_NATIVE_BF16"  # "1": treat the CPU as having native bf16, "0": as not; unset: detect
 
 
 @dataclass(frozen=True)
@@ -42,17 +46,6 @@ def cpu_flags(cpuinfo_text: str) -> set[str]:
         if sep and key.strip() in ("flags", "Features"):
             return set(value.split())
     return set()
-
-
-def native_bf16_override(environ: Mapping[str, str] | None = None) -> bool | None:
-    """``PDD_NATIVE_BF16`` from the environment: True ("1"), False ("0"), None (unset or empty)."""
-    value = (os.environ if environ is None else environ).get(NATIVE_BF16_ENV, "").strip()
-    if value == "":
-        return None
-    if value in ("0", "1"):
-        return value == "1"
-    raise ValueError(f"{NATIVE_BF16_ENV} must be 1 (treat the CPU as having native bf16), 0 (as not) or unset "
-                     f"(detect from the CPU); got {value!r}")
 
 
 def bf16_support(cpuinfo_text: str | None = None, environ: Mapping[str, str] | None = None) -> tuple[bool, str]:
@@ -91,17 +84,25 @@ def _torch_probe() -> tuple[bool, str]:
     return False, f"torch reports no native bf16 (capability {torch.backends.cpu.get_cpu_capability()})"
 
 
-def resolve_dtypes(dtype: str = AUTO, kv_dtype: str = AUTO, cpuinfo_text: str | None = None) -> DtypeChoice:
-    """``dtype`` auto -> bfloat16 on CPUs with native bf16 (or ``PDD_NATIVE_BF16=1``), else float32;
-    ``kv_dtype`` auto -> ``dtype``. A bad name, or a bad ``PDD_NATIVE_BF16`` (even with both set), is a ValueError.
+def resolve_dtypes(dtype: str = AUTO, kv_dtype: str = AUTO, cpuinfo_text: str | None = None,
+                   probe: Callable[[], tuple[str, str]] | None = None) -> DtypeChoice:
+    """``dtype`` auto -> what ``probe`` measured faster on this CPU (engine/dtype_probe.py; the engine passes
+    one for its model), else, with no model to measure or no kernel of ours to run bf16 weights, bfloat16 on
+    CPUs with native bf16 and float32 elsewhere. ``PDD_NATIVE_BF16`` (0 / 1) wins over both. ``kv_dtype`` auto ->
+    ``dtype``. A bad name, or a bad ``PDD_NATIVE_BF16`` (even with both set), is a ValueError.
     """
     for field, value in (("dtype", dtype), ("kv_dtype", kv_dtype)):
         if value != AUTO and value not in SERVING_DTYPES:
             raise ValueError(f"{field} must be one of {AUTO}, {', '.join(SERVING_DTYPES)}; got {value!r}")
-    native_bf16_override()  # a typo in the override fails here, not only where it would have mattered
+    override = native_bf16_override()  # a typo in the override fails here, not only where it would have mattered
     if dtype == AUTO:
         native, why = bf16_support(cpuinfo_text)
-        dtype = "bfloat16" if native else "float32"
+        if override is None and probe is not None and (native or activation_dtype(torch.bfloat16) == torch.float32):
+            dtype, why = probe()
+        else:
+            dtype = "bfloat16" if native else "float32"
+            if override is None:
+                why += " (by flag: " + ("no model to measure)" if probe is None else "no kernel for bf16 weights)")
         reason = f"dtype auto -> {dtype}: {why}"
     else:
         reason = f"dtype {dtype} set in config"

@@ -21,6 +21,7 @@ import torch
 
 from pdd.engine.config import ModelConfig
 from pdd.engine.cpu_features import DtypeChoice, resolve_dtypes
+from pdd.engine.dtype_probe import probe_dtype
 from pdd.engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -125,8 +126,8 @@ class Engine:
     ) -> "Engine":
         """Load a HF checkpoint folder, a .gguf file, or "default" (the packaged SmolLM2 GGUF).
 
-        ``dtype``/``kv_dtype``: "auto" resolves by the CPU's bf16 instructions (engine/cpu_features.py);
-        ``engine.dtype_choice`` says what was picked and why.
+        ``dtype``/``kv_dtype``: "auto" resolves by timing the model's layer shapes in both dtypes on this CPU
+        (engine/dtype_probe.py, cached); ``engine.dtype_choice`` says what was picked and why.
         """
         from pdd.engine.loader import load_checkpoint
         from pdd.shared.model_files import resolve_model_path
@@ -135,9 +136,9 @@ class Engine:
         if num_threads is None:
             num_threads = int(os.environ.get("PDD_NUM_THREADS", 0)) or os.cpu_count() or 1
         torch.set_num_threads(num_threads)
-        choice = resolve_dtypes(dtype, kv_dtype)
         path = resolve_model_path(path)
         config, weights = load_checkpoint(path)
+        choice = resolve_dtypes(dtype, kv_dtype, probe=lambda: probe_dtype(config))
         model = CausalLM(config, weights, dtype_from_name(choice.dtype))
         del weights
         tokenizer = _load_tok(path) if load_tokenizer else None

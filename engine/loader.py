@@ -31,9 +31,19 @@ def load_checkpoint(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     raise FileNotFoundError(f"model path {path!r} is neither a checkpoint folder nor a .gguf file")
 
 
-def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+def load_model_config(path: str) -> ModelConfig:
+    """The config alone, without the weights (seconds less for a GGUF: no dequantizing)."""
+    path = resolve_model_path(path)
+    if is_gguf(path):
+        import gguf
 
+        return _gguf_config(gguf.GGUFReader(path))
+    if os.path.isdir(path):
+        return _hf_config(path)
+    raise FileNotFoundError(f"model path {path!r} is neither a checkpoint folder nor a .gguf file")
+
+
+def _hf_config(path: str) -> ModelConfig:
     config_path = Path(path) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"no config.json in {path}")
@@ -45,6 +55,13 @@ def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         for eos in [gen] if isinstance(gen, int) else (gen or []):
             if eos not in config.eos_token_ids:
                 config.eos_token_ids.append(int(eos))
+    return config
+
+
+def load_hf_folder(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config = _hf_config(path)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {path}")
@@ -87,10 +104,7 @@ def _reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+def _gguf_config(reader: Any) -> ModelConfig:
     meta: dict[str, Any] = {}
     for name, fld in reader.fields.items():
         if name in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
@@ -101,8 +115,15 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
             continue
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    vocab = int(embd.shape[-1])
-    config = config_from_gguf(meta, vocab, has_output="output.weight" in names)  # refuses by metadata first
+    return config_from_gguf(meta, int(embd.shape[-1]), has_output="output.weight" in names)
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    config = _gguf_config(reader)  # refuses by metadata first
+    names = {t.name for t in reader.tensors}
     unknown = sorted(n for n in names if n not in _GGUF_TOP_NAMES
                      and not (n.startswith("blk.") and n.split(".", 2)[-1] in _GGUF_LAYER_NAMES))
     if unknown:  # e.g. rope_freqs.weight (llama3.1 frequency factors): skipping it would change the math

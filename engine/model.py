@@ -63,9 +63,9 @@ class CausalLM:
         self.embed = w("model.embed_tokens.weight")  # weights' dtype; rows widen to act at lookup
         self.final_norm = w("model.norm.weight").to(act)
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
-            self.lm_head = Linear(w("lm_head.weight"))
+            self.lm_head = Linear(w("lm_head.weight"), fp32_inputs=True)
         else:
-            self.lm_head = Linear(self.embed)  # tied: its own copy (the embedding lookup keeps [vocab, hidden])
+            self.lm_head = Linear(self.embed, fp32_inputs=True)  # tied: its own copy (the embedding lookup keeps [vocab, hidden])
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

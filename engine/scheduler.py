@@ -19,7 +19,6 @@ from pdd.engine.kv_pool import BlockAllocator
 from pdd.engine.radix_cache import RadixCache
 from pdd.engine.request import Request, Status
 
-
 # The most tokens one request computes per step unless configured: a 512-token chunk of SmolLM2 takes
 # ~1 s on one core, so a request queued behind a 2,400-token prompt waits about that, not its whole prefill.
 DEFAULT_PREFILL_CHUNK_TOKENS = 512

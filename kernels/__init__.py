@@ -11,7 +11,7 @@ from pdd.kernels.attention import (
     write_kv,
 )
 from pdd.kernels.decoder import DecoderLayers
-from pdd.kernels.linear import Linear, activation_dtype
+from pdd.kernels.linear import Linear, activation_dtype, products_dtype
 from pdd.kernels.norm import rms_norm
 from pdd.kernels.rotary import RotaryEmbedding, apply_rotary_
 
@@ -24,6 +24,7 @@ __all__ = [
     "apply_rotary_",
     "build_attention_metadata",
     "paged_attention",
+    "products_dtype",
     "rms_norm",
     "silu_mul",
     "write_kv",

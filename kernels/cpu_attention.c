@@ -13,7 +13,7 @@
  * same bits, which is what makes the handoff exact (docs/ENGINE.md, batch invariance).
  *
  * Pool layout per layer: [num_blocks, block_size, kv_heads, head_dim], float32 or bf16 (kv_bf16).
- * Threads (OpenMP) take (row, query head) pairs.
+ * Threads (OpenMP) take (row, query head) pairs, or (row, kv head) groups over a dense copy (pdd_paged_attention).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,6 +22,8 @@
 #include <string.h>
 
 #include "native.h"
+
+#define GROUP_MAX_LEN 4096 /* the dense copy of a kv head's context: 2 * len * d doubles per thread */
 
 static inline __attribute__((always_inline)) __m256d load4(const void *base, int64_t i, int bf16) {
   if (bf16) {
@@ -103,17 +105,69 @@ static void score_row(const double *qi, double *sc, int64_t d, int64_t hkv, int6
 DEFINE_PV(pv8, 8)
 DEFINE_PV(pv1, 1)
 
+/* The same two passes over a dense copy of one kv head's context (kd, vd: [len, d] doubles, the values load4
+ * gives): the same values in the same order of operations, so the same bits as score_row / pv*, without
+ * re-reading and re-widening the pool for every query head of a GQA group. */
+static void score_dense(const double *qi, double *sc, int64_t d, const double *kd, int64_t len, double scale) {
+  int64_t d4 = d & ~(int64_t)3, j = 0;
+  for (; j + 4 <= len; j += 4) {
+    const double *k0 = kd + j * d, *k1 = k0 + d, *k2 = k1 + d, *k3 = k2 + d;
+    __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t t = 0; t < d4; t += 4) {
+      __m256d qv = _mm256_loadu_pd(qi + t);
+      a0 = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k0 + t), a0);
+      a1 = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k1 + t), a1);
+      a2 = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k2 + t), a2);
+      a3 = _mm256_fmadd_pd(qv, _mm256_loadu_pd(k3 + t), a3);
+    }
+    double s[4] = {hsum4(a0), hsum4(a1), hsum4(a2), hsum4(a3)};
+    const double *kr[4] = {k0, k1, k2, k3};
+    for (int c = 0; c < 4; c++) {
+      for (int64_t t = d4; t < d; t++) s[c] += qi[t] * kr[c][t];
+      sc[j + c] = s[c] * scale;
+    }
+  }
+  for (; j < len; j++) {
+    const double *kr = kd + j * d;
+    __m256d a = _mm256_setzero_pd();
+    for (int64_t t = 0; t < d4; t += 4) a = _mm256_fmadd_pd(_mm256_loadu_pd(qi + t), _mm256_loadu_pd(kr + t), a);
+    double s = hsum4(a);
+    for (int64_t t = d4; t < d; t++) s += qi[t] * kr[t];
+    sc[j] = s * scale;
+  }
+}
+
+#define DEFINE_PV_DENSE(NAME, NV)                                                                                 \
+  static inline void NAME(const double *p, double *acc, int64_t t0, int64_t d, const double *vd, int64_t len) {    \
+    __m256d a[NV];                                                                                                \
+    for (int c = 0; c < NV; c++) a[c] = _mm256_setzero_pd();                                                      \
+    for (int64_t j = 0; j < len; j++) {                                                                           \
+      const double *vr = vd + j * d + t0;                                                                         \
+      __m256d pj = _mm256_set1_pd(p[j]);                                                                          \
+      for (int c = 0; c < NV; c++) a[c] = _mm256_fmadd_pd(pj, _mm256_loadu_pd(vr + 4 * c), a[c]);                \
+    }                                                                                                             \
+    for (int c = 0; c < NV; c++) _mm256_storeu_pd(acc + t0 + 4 * c, a[c]);                                       \
+  }
+DEFINE_PV_DENSE(pv8_dense, 8)
+DEFINE_PV_DENSE(pv1_dense, 1)
+
 /* One (row, query head h) over kv head g (GQA: h / group). q_row is the row's [hq, d] query (float32);
  * qd/scores/acc are this thread's scratch (d, len, d doubles). */
+/* sc[j] <- exp(sc[j] - max), returns their sum (in order). */
+static double softmax_numerators(double *sc, int64_t len) {
+  double m = sc[0], total = 0.0;
+  for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
+  for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
+  return total;
+}
+
 static void attend(const float *q_row, float *out_row, int64_t h, int64_t g, int64_t d, int64_t hkv,
                    const void *k_cache, const void *v_cache, int bf16, int64_t block_size, const int64_t *table,
                    int64_t len, double scale, double *qd, double *sc, double *acc) {
   for (int64_t t = 0; t < d; t++) qd[t] = q_row[h * d + t];
   int64_t d4 = d & ~(int64_t)3;
   score_row(qd, sc, d, hkv, g, k_cache, bf16, block_size, table, len, scale);
-  double m = sc[0], total = 0.0;
-  for (int64_t j = 1; j < len; j++) m = sc[j] > m ? sc[j] : m;
-  for (int64_t j = 0; j < len; j++) { sc[j] = exp(sc[j] - m); total += sc[j]; }
+  double total = softmax_numerators(sc, len);
   int64_t t = 0;
   for (; t + 32 <= d4; t += 32) pv8(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
   for (; t < d4; t += 4) pv1(sc, acc, t, d, hkv, g, v_cache, bf16, block_size, table, len);
@@ -124,6 +178,40 @@ static void attend(const float *q_row, float *out_row, int64_t h, int64_t g, int
   }
   float *o = out_row + h * d;
   for (t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
+}
+
+/* Every query head of kv head g's group (h0 .. h0 + group - 1) for one row: the context's K and V widened
+ * once into kd/vd, then each head as attend computes it (same values, same order: the same bits). */
+static void attend_group(const float *q_row, float *out_row, int64_t h0, int64_t group, int64_t g, int64_t d,
+                         int64_t hkv, const void *k_cache, const void *v_cache, int bf16, int64_t block_size,
+                         const int64_t *table, int64_t len, double scale, double *qd, double *sc, double *acc,
+                         double *kd, double *vd) {
+  int64_t d4 = d & ~(int64_t)3;
+  for (int64_t j = 0; j < len; j++) {
+    int64_t base = kv_offset(table, j, block_size, hkv, g, d);
+    double *kr = kd + j * d, *vr = vd + j * d;
+    for (int64_t t = 0; t < d4; t += 4) {
+      _mm256_storeu_pd(kr + t, load4(k_cache, base + t, bf16));
+      _mm256_storeu_pd(vr + t, load4(v_cache, base + t, bf16));
+    }
+    for (int64_t t = d4; t < d; t++) {
+      kr[t] = scalar_at(k_cache, base + t, bf16);
+      vr[t] = scalar_at(v_cache, base + t, bf16);
+    }
+  }
+  for (int64_t h = h0; h < h0 + group; h++) {
+    for (int64_t t = 0; t < d; t++) qd[t] = q_row[h * d + t];
+    score_dense(qd, sc, d, kd, len, scale);
+    double total = softmax_numerators(sc, len);
+    int64_t t = 0;
+    for (; t + 32 <= d4; t += 32) pv8_dense(sc, acc, t, d, vd, len);
+    for (; t < d4; t += 4) pv1_dense(sc, acc, t, d, vd, len);
+    for (t = d4; t < d; t++) acc[t] = 0.0;
+    for (int64_t j = 0; j < len; j++)
+      for (t = d4; t < d; t++) acc[t] += sc[j] * vd[j * d + t];
+    float *o = out_row + h * d;
+    for (t = 0; t < d; t++) o[t] = (float)(acc[t] / total);
+  }
 }
 
 /* q: [tokens, hq, d] float32 at row stride q_stride (floats: a view into a fused qkv output needs no copy),
@@ -140,19 +228,30 @@ int pdd_paged_attention(const float *q, int64_t q_stride, float *out, int64_t hq
     if (lens[r] < 1) return -2;
     if (lens[r] > max_len) max_len = lens[r];
   }
+  /* Work items: (row, kv head) when there are enough of them to keep every thread busy and the contexts are
+   * short enough for a dense copy (each GQA group's K and V widened once, not once per query head); else
+   * (row, query head): a batch-1 step has hq items to share, not hkv (3 kv heads on 2 threads left one idle a
+   * third of the time). A head's arithmetic is the same either way and on any thread. */
+  int grouped = group > 1 && nrows * hkv >= 4 * (int64_t)threads && max_len <= GROUP_MAX_LEN;
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
-    double *scratch = malloc(sizeof(double) * (2 * d + max_len));
+    double *scratch = malloc(sizeof(double) * (2 * d + max_len + (grouped ? 2 * max_len * d : 0)));
     if (!scratch) failed = 1;
-    /* one query head per item: a batch-1 step has hq items to share, not hkv (3 kv heads on 2 threads left
-     * one idle a third of the time); a head's arithmetic does not depend on which thread takes it */
+    double *qd = scratch, *sc = scratch + d, *acc = scratch + d + max_len, *kd = acc + d, *vd = kd + max_len * d;
+    int64_t items = nrows * (grouped ? hkv : hq);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < nrows * hq; w++) {
+    for (int64_t w = 0; w < items; w++) {
       if (!scratch) continue;
-      int64_t r = w / hq, h = w % hq, tok = rows[r];
-      attend(q + tok * q_stride, out + tok * hq * d, h, h / group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
-             tables + table_offsets[r], lens[r], scale, scratch, scratch + d, scratch + d + max_len);
+      if (grouped) {
+        int64_t r = w / hkv, g = w % hkv, tok = rows[r];
+        attend_group(q + tok * q_stride, out + tok * hq * d, g * group, group, g, d, hkv, k_cache, v_cache, kv_bf16,
+                     block_size, tables + table_offsets[r], lens[r], scale, qd, sc, acc, kd, vd);
+      } else {
+        int64_t r = w / hq, h = w % hq, tok = rows[r];
+        attend(q + tok * q_stride, out + tok * hq * d, h, h / group, d, hkv, k_cache, v_cache, kv_bf16, block_size,
+               tables + table_offsets[r], lens[r], scale, qd, sc, acc);
+      }
     }
     free(scratch);
   }

@@ -21,7 +21,7 @@ typedef struct {
 
 typedef struct {
   int64_t hidden, hq, hkv, d, inter, block_size, num_slots;
-  int w_bf16, kv_bf16;
+  int w_format, kv_bf16; /* w_format: cpu_linear.c's */
   float eps;
   double scale;
 } pdd_dims;
@@ -41,7 +41,7 @@ int pdd_decoder_layers(const pdd_dims *m, const pdd_layer *layers, int64_t nlaye
     const pdd_layer *l = layers + i;
     int status;
     pdd_rms_norm(hidden, H, rows, 1, H, l->input_norm, m->eps, x, H);
-    if ((status = pdd_linear(x, rows, H, l->qkv, m->w_bf16, qkv_n, l->qkv_bias, 0, qkv, threads))) return status;
+    if ((status = pdd_linear(x, rows, H, l->qkv, m->w_format, qkv_n, l->qkv_bias, 0, qkv, threads))) return status;
     if (l->q_norm) {
       pdd_rms_norm(qkv, qkv_n, rows, hq, d, l->q_norm, m->eps, qkv, qkv_n);
       pdd_rms_norm(qkv + hq * d, qkv_n, rows, hkv, d, l->k_norm, m->eps, qkv + hq * d, qkv_n);
@@ -56,12 +56,12 @@ int pdd_decoder_layers(const pdd_dims *m, const pdd_layer *layers, int64_t nlaye
     if ((status = pdd_paged_attention(qkv, qkv_n, attn, hq, hkv, d, k_pools[i], v_pools[i], m->kv_bf16, m->block_size,
                                       att_rows, tables, offsets, lens, rows, m->scale, threads)))
       return status;
-    if ((status = pdd_linear(attn, rows, hq * d, l->o, m->w_bf16, H, l->o_bias, hidden, hidden, threads)))
+    if ((status = pdd_linear(attn, rows, hq * d, l->o, m->w_format, H, l->o_bias, hidden, hidden, threads)))
       return status;
     pdd_rms_norm(hidden, H, rows, 1, H, l->post_norm, m->eps, x, H);
-    if ((status = pdd_linear(x, rows, H, l->gate_up, m->w_bf16, 2 * m->inter, 0, 0, gate_up, threads))) return status;
+    if ((status = pdd_linear(x, rows, H, l->gate_up, m->w_format, 2 * m->inter, 0, 0, gate_up, threads))) return status;
     pdd_silu_mul(gate_up, rows, m->inter, act);
-    if ((status = pdd_linear(act, rows, m->inter, l->down, m->w_bf16, H, 0, hidden, hidden, threads))) return status;
+    if ((status = pdd_linear(act, rows, m->inter, l->down, m->w_format, H, 0, hidden, hidden, threads))) return status;
   }
   return 0;
 }

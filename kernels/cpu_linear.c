@@ -164,12 +164,15 @@ DEFINE_ROW3(row3_bf16, uint16_t, load_bf16)
 
 int pdd_linear_panel_width(void) { return PANEL; }
 
-/* x [M, K] fp32, w packed (see above; bf16 when w_bf16), bias [N] or NULL, res [M, N] or NULL, out [M, N].
+/* x [M, K] fp32, w packed (see above) in `w_format` (0 fp32, 1 bf16 widened to fp32, 2 bf16 pairs for
+ * cpu_linear_bf16.c, which this hands over to), bias [N] or NULL, res [M, N] or NULL, out [M, N].
  * Each thread takes a contiguous range of panels and walks the rows in blocks of ROW_BLOCK, so a block of
  * x stays in L2 while the thread's panels stream past it (one pass over x per panel spilled to L3 at
- * thousands of rows). Returns 0, or -1 when the bf16 widening buffer could not be allocated. */
-int pdd_linear(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, int64_t N, const float *bias,
+ * thousands of rows). Returns 0, or -1 when a buffer could not be allocated (-3: see pdd_linear_bf16). */
+int pdd_linear(const float *x, int64_t M, int64_t K, const void *w, int w_format, int64_t N, const float *bias,
                const float *res, float *out, int threads) {
+  if (w_format == PDD_W_BF16_DOT) return pdd_linear_bf16(x, M, K, w, N, bias, res, out, threads);
+  const int w_bf16 = w_format == PDD_W_BF16;
   int64_t panels = (N + PANEL - 1) / PANEL;
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)

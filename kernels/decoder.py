@@ -30,7 +30,7 @@ class _Layer(ctypes.Structure):  # pdd_layer in cpu_decoder.c
 
 class _Dims(ctypes.Structure):  # pdd_dims in cpu_decoder.c
     _fields_ = [(name, _I64) for name in ("hidden", "hq", "hkv", "d", "inter", "block_size", "num_slots")] + [
-        ("w_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_double)]
+        ("w_format", ctypes.c_int), ("kv_bf16", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_double)]
 
 
 class LayerWeightsLike(Protocol):
@@ -65,7 +65,7 @@ class DecoderLayers:
         self._keep = list(layers)  # the pointers above are into these tensors
         hidden = layers[0].o.shape[0][0]
         self._shape = (hidden, num_heads, num_kv_heads, head_dim, intermediate_size)
-        self._w_bf16 = int(layers[0].qkv.weight.dtype == torch.bfloat16)
+        self._w_format = int(layers[0].qkv.format)
         self._eps, self._scale = eps, scale
         self._pools: tuple | None = None  # (key, dims, k pointer array, v pointer array)
         # floats of scratch per row: normed input, qkv, attention output, gate|up, activation
@@ -84,7 +84,7 @@ class DecoderLayers:
             norms = [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
             if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
                 return None
-        if len({layer.qkv.weight.dtype for layer in layers}) != 1:
+        if len({getattr(layer, n).format for layer in layers for n in ("qkv", "o", "gate_up", "down")}) != 1:
             return None
         return DecoderLayers(layers, **dims)
 
@@ -102,7 +102,7 @@ class DecoderLayers:
                 raise ValueError("KV pools must be contiguous and of one shape and dtype")
             hidden, hq, hkv, d, inter = self._shape
             blocks, block_size = k_caches[0].shape[:2]
-            dims = _Dims(hidden, hq, hkv, d, inter, block_size, blocks * block_size, self._w_bf16,
+            dims = _Dims(hidden, hq, hkv, d, inter, block_size, blocks * block_size, self._w_format,
                          NATIVE_KV_DTYPES[k_caches[0].dtype], self._eps, self._scale)
             ks = (_P * len(k_caches))(*(t.data_ptr() for t in k_caches))
             vs = (_P * len(v_caches))(*(t.data_ptr() for t in v_caches))

@@ -69,6 +69,14 @@ def activation_dtype(weight_dtype: torch.dtype, device: str = "cpu") -> torch.dt
     return torch.float32 if _row_invariant_route(weight_dtype, device) else weight_dtype
 
 
+def products_dtype(weight_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The dtype a projection of ``weight_dtype`` weights multiplies in: bf16 weights take bf16 products on our
+    kernel where the CPU has AVX512-BF16, fp32 ones elsewhere on it; off our kernel, the weights' dtype."""
+    if _row_invariant_route(weight_dtype, device):
+        return torch.bfloat16 if cpu_linear.format_for(weight_dtype).arithmetic == "bfloat16" else torch.float32
+    return weight_dtype
+
+
 def _row_invariant_route(weight_dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and weight_dtype in cpu_linear.WEIGHT_DTYPES and cpu_linear.available()
 
@@ -76,29 +84,35 @@ def _row_invariant_route(weight_dtype: torch.dtype, device: str) -> bool:
 class Linear:
     """One projection; built from an ``[out_features, in_features]`` weight (checkpoint layout)."""
 
-    __slots__ = ("bias", "packed", "row_invariant", "shape", "weight")
+    __slots__ = ("bias", "format", "packed", "row_invariant", "shape", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, fp32_inputs: bool = False) -> None:
+        """``fp32_inputs``: bf16 weights keep fp32 arithmetic (inputs not rounded to bf16) where our kernel runs:
+        for the projection whose rounding the output is most sensitive to (lm_head: docs/ENGINE.md)."""
         self.shape = (tuple(weight.shape), weight.dtype, bias is not None)
         self.row_invariant = _row_invariant_route(weight.dtype, weight.device.type)
         self.bias = bias.float() if bias is not None and self.row_invariant else bias
         packed = None if self.row_invariant else _pack(weight)
         self.packed = packed is not None
+        self.format: cpu_linear.WeightFormat | None = None
         if self.row_invariant:
-            self.weight = cpu_linear.pack(weight)
+            fmt = cpu_linear.WeightFormat.BF16 if fp32_inputs and weight.dtype == torch.bfloat16 else None
+            self.weight, self.format = cpu_linear.pack(weight, fmt)
         else:
             self.weight = packed if packed is not None else weight.t().contiguous()
 
     @property
     def kernel(self) -> str:
         """Which route this projection runs (logged at startup: fleets should agree, for exact handoffs)."""
+        if self.format is cpu_linear.WeightFormat.BF16_DOT:
+            return "pdd-row-invariant-bf16-products"
         if self.row_invariant:
             return "pdd-row-invariant"
         return "onednn-packed" if self.packed else "torch-mm"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_invariant:
-            return cpu_linear.linear(x, self.weight, self.shape[0][0], self.bias)
+            return cpu_linear.linear(x, self.weight, self.format, self.shape[0][1], self.shape[0][0], self.bias)
         if self.packed:
             return self._bucketed(x, None)
         if self.bias is None:
@@ -108,7 +122,8 @@ class Linear:
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + x @ W^T (+ bias)``, the add fused into the GEMM where the backend can."""
         if self.row_invariant:
-            return cpu_linear.linear(x, self.weight, self.shape[0][0], self.bias, residual)
+            return cpu_linear.linear(x, self.weight, self.format, self.shape[0][1], self.shape[0][0], self.bias,
+                                     residual)
         if self.bias is not None:
             return residual + self(x)
         if self.packed:

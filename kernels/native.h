@@ -3,9 +3,17 @@
 #define PDD_NATIVE_H
 #include <stdint.h>
 
-/* cpu_linear.c */
-int pdd_linear(const float *x, int64_t M, int64_t K, const void *w, int w_bf16, int64_t N, const float *bias,
+/* cpu_linear.c; weight formats (kernels/cpu_linear.py WeightFormat) */
+#define PDD_W_FP32 0
+#define PDD_W_BF16 1
+#define PDD_W_BF16_DOT 2
+int pdd_linear(const float *x, int64_t M, int64_t K, const void *w, int w_format, int64_t N, const float *bias,
                const float *res, float *out, int threads);
+/* cpu_linear_bf16.c */
+int pdd_linear_bf16(const float *x, int64_t M, int64_t K, const void *w, int64_t N, const float *bias,
+                    const float *res, float *out, int threads);
+int pdd_linear_bf16_supported(void);
+int pdd_linear_bf16_panel_width(void);
 /* cpu_attention.c */
 int pdd_paged_attention(const float *q, int64_t q_stride, float *out, int64_t hq, int64_t hkv, int64_t d,
                         const void *k_cache, const void *v_cache, int kv_bf16, int64_t block_size, const int64_t *rows,

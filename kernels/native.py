@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
+from collections.abc import Mapping
 from functools import cache
 
 import torch
 
 EXTENSION = "pdd.kernels._native"
+NATIVE_BF16_ENV = "PDD_NATIVE_BF16"  # "1": treat the CPU as having native bf16, "0": as not; unset: detect
 _CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs with AVX2 + FMA (AVX512 implies both)
 
 _P, _I64, _INT, _DBL, _FLT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double, ctypes.c_float
 _SIGNATURES = {
-    # x, rows, in, w, w_bf16, out_features, bias, residual, out, threads
+    # x, rows, in, w, w_format, out_features, bias, residual, out, threads
     "pdd_linear": (_INT, [_P, _I64, _I64, _P, _INT, _I64, _P, _P, _P, _INT]),
     "pdd_linear_panel_width": (_INT, []),
+    "pdd_linear_bf16_supported": (_INT, []),
+    "pdd_linear_bf16_panel_width": (_INT, []),
     # q, q_stride, out, hq, hkv, d, k_cache, v_cache, kv_bf16, block_size, rows, tables, table_offsets, lens,
     # nrows, scale, threads
     "pdd_paged_attention": (_INT, [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _INT, _I64, _P, _P, _P, _P, _I64, _DBL,
@@ -57,3 +62,15 @@ def unavailable_reason() -> str:
     if capability not in _CPU_CAPABILITIES:
         return f"CPU capability {capability} has no AVX2/FMA"
     return f"extension {EXTENSION} was not built at install (needs a C compiler with OpenMP on x86-64)"
+
+
+def native_bf16_override(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``PDD_NATIVE_BF16`` from the environment: True ("1"), False ("0"), None (unset or empty). "0" makes the
+    whole engine run as on a CPU without native bf16 (``dtype: auto`` and the projection kernel alike)."""
+    value = (os.environ if environ is None else environ).get(NATIVE_BF16_ENV, "").strip()
+    if value == "":
+        return None
+    if value in ("0", "1"):
+        return value == "1"
+    raise ValueError(f"{NATIVE_BF16_ENV} must be 1 (treat the CPU as having native bf16), 0 (as not) or unset "
+                     f"(detect from the CPU); got {value!r}")

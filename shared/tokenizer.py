@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 from typing import Any
 
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PDD_CACHE_DIR") or Path.home() / ".cache" / "pdd")
+from pdd.shared.model_files import cache_dir
 
 
 def load_tokenizer(path: str) -> Any:
@@ -23,7 +20,7 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path)
     st = os.stat(path)
     key = hashlib.sha1(f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / "tokenizers" / key
+    cached = cache_dir() / "tokenizers" / key
     if (cached / "tokenizer_config.json").exists():
         try:
             return AutoTokenizer.from_pretrained(str(cached))

@@ -31,6 +31,8 @@ from pathlib import Path
 import yaml
 
 from pdd.engine.cpu_features import AUTO, SERVING_DTYPES, resolve_dtypes
+from pdd.engine.dtype_probe import probe_dtype
+from pdd.engine.loader import load_model_config
 from pdd.services.launch import emulate
 from pdd.services.launch.children import child_env, serve_argv
 from pdd.services.launch.natsserver import free_port, start_nats_server
@@ -200,7 +202,10 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     if base["model"]["backend"] == Backend.EMULATED:
         notes["dtype"] = "no weights: emulated accelerators (KV pages carry a float32 pattern)"
     else:
-        notes["dtype"] = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"]).reason
+        # `auto` measured here, before the services start loading (a quiet probe, cached for all of them)
+        path = base["model"]["path"]
+        notes["dtype"] = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"],
+                                        probe=lambda: probe_dtype(load_model_config(path))).reason
     base["nats"]["url"] = nats_url
     base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
                      {"name": "site-b", "description": "decode datacenter"}]

@@ -131,9 +131,10 @@ def system(tmp_path_factory, nats_url, tiny_model):
 
 @pytest.fixture(scope="session")
 def reference(system):
-    """One engine alone, in the dtypes the system serves in. Its config leaves model.dtype `auto`, so that is
-    bf16 on a CPU with avx512_bf16/amx_bf16 and fp32 elsewhere (or as PDD_NATIVE_BF16 says): the reference
-    resolves the same config in the same environment, and must agree with the dtypes the fleet announces.
+    """One engine alone, in the dtypes the system serves in. Its config leaves model.dtype `auto`, which the dtype
+    probe resolves on this machine (engine/dtype_probe.py: measured once, cached for every engine; or as
+    PDD_NATIVE_BF16 says): the reference resolves the same config in the same environment, and must agree with
+    the dtypes the fleet announces.
     (Token-for-token comparisons between an fp32 reference and a bf16 fleet fail: issue #26.)"""
     from pdd.engine import Engine
     from pdd.shared.config import load_config

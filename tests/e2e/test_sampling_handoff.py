@@ -3,7 +3,8 @@
 The relay decodes the first positions, main decode learns them by token ids and continues: every token
 and every logprob must equal what one engine computes alone for the same request (and what the P-RLD
 path, where the relay finishes locally, returns), in streaming and non-streaming form. The system serves
-`dtype: auto` (bf16 or fp32 by the CPU, or PDD_NATIVE_BF16); the `reference` engine resolves the same.
+`dtype: auto` (bf16 or fp32 as the dtype probe measured on this CPU, or PDD_NATIVE_BF16); the `reference`
+engine resolves the same.
 """
 
 from __future__ import annotations

@@ -120,3 +120,11 @@ def test_gguf_tensor_the_engine_does_not_compute_is_refused(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedArchitectureError, match=r"rope_freqs\.weight"):
         load_gguf(path)
+
+
+def test_the_config_alone_is_the_config_the_weights_come_with(llama_path):
+    """load_model_config (the launcher's dtype probe reads it) agrees with load_checkpoint, folder and GGUF."""
+    from pdd.engine.loader import load_checkpoint, load_model_config
+
+    for path in (llama_path, "default"):
+        assert load_model_config(path) == load_checkpoint(path)[0]

@@ -71,3 +71,28 @@ def test_prompt_extends_and_fp32_mode_stay_on_torch():
     assert meta.exact is None  # a prompt-only extend (fp32) and a fresh prompt: no exact rows
     meta = build_attention_metadata(BLOCK, [[1, 2]], [6], [], decode_accum=torch.float32)
     assert meta.exact is None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [16, 38])  # 38: the 32-column accumulators, one 4-column chunk and a 2-column tail
+def test_grouped_and_per_head_work_items_give_the_same_bits(kv_dtype, dim, monkeypatch):
+    """Many rows take (row, kv head) items over a dense copy of the context, few rows (row, query head) items
+    straight from the pool (cpu_attention.c): a row's bits are the same on either route."""
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(64, BLOCK, HKV, dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(64, BLOCK, HKV, dim, generator=g).to(kv_dtype)
+    tables = [[i, 20 + i, 40 + i] for i in range(8)]
+    lens = [3 + i for i in range(8)]  # 3..10 positions, new token included
+    q = torch.randn(8, HQ, dim, generator=g)
+    k_new = torch.randn(8, HKV, dim, generator=g)
+    v_new = torch.randn(8, HKV, dim, generator=g)
+
+    def attend(rows):
+        meta = build_attention_metadata(BLOCK, [tables[r] for r in rows], [lens[r] for r in rows], [])
+        out = paged_attention(q[rows], k_new[rows], v_new[rows], k_cache.clone(), v_cache.clone(), meta, dim ** -0.5)
+        return out.view(len(rows), HQ, dim)
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # 8 rows x 2 kv heads >= 4 x 1 thread: grouped
+    batch = attend(list(range(8)))
+    for r in range(8):
+        assert torch.equal(attend([r])[0], batch[r]), r  # 1 row x 2 kv heads: per query head

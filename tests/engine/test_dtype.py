@@ -1,15 +1,19 @@
-"""Serving dtype: `auto` from the CPU's bf16 flags (injected /proc/cpuinfo text) or PDD_NATIVE_BF16, the KV
-dtype option, and a bfloat16 engine end to end (this machine may lack native bf16; torch still computes it)."""
+"""Serving dtype: `auto` by the dtype probe's measurement (engine/dtype_probe.py: the choice, its cache, the real
+timing), from the CPU's bf16 flags (injected /proc/cpuinfo text) where there is nothing to measure, or as
+PDD_NATIVE_BF16 says; the KV dtype option, and a bfloat16 engine end to end (this machine may lack native bf16;
+torch still computes it)."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pdd.engine import SamplingParams
+from pdd.engine import SamplingParams, dtype_probe
 from pdd.engine.cpu_features import NATIVE_BF16_ENV, bf16_support, cpu_flags, resolve_dtypes
+from pdd.kernels import activation_dtype
 
 from .conftest import make_engine, run_all
 
@@ -134,12 +138,88 @@ def test_fp32_weights_with_bf16_kv(llama_path):
     assert first + run_all(dst)["x"] == expected
 
 
-def test_engine_resolves_auto_and_keeps_the_reason(llama_path):
+def test_engine_resolves_auto_by_the_probe_and_keeps_the_reason(detect, llama_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDD_CACHE_DIR", str(tmp_path))
     engine = make_engine(llama_path, dtype="auto")
-    native, _ = bf16_support()
-    assert engine.dtype_choice.dtype == ("bfloat16" if native else "float32")
-    assert engine.layout.dtype == engine.dtype_choice.kv_dtype
-    assert "dtype auto" in engine.dtype_choice.reason
+    shapes = dtype_probe.layer_shapes(engine.config)
+    choice = engine.dtype_choice
+    if bf16_support()[0] or activation_dtype(torch.bfloat16) == torch.float32:  # something to measure
+        times, source = dtype_probe.cached_times(shapes, measure_fn=lambda _: pytest.fail("measured twice"))
+        assert source.startswith("cached probe") and choice.dtype == dtype_probe.choose(times)[0]
+        assert "probe measured now" in choice.reason and str(tmp_path) in choice.reason
+        again = make_engine(llama_path, dtype="auto").dtype_choice  # a second engine reads the cache
+        assert again.dtype == choice.dtype and "cached probe" in again.reason
+    else:
+        assert choice.dtype == "float32" and "no kernel for bf16 weights" in choice.reason
+    assert engine.layout.dtype == choice.kv_dtype == choice.dtype
+    assert engine.model.dtype == (torch.bfloat16 if choice.dtype == "bfloat16" else torch.float32)
+    assert make_engine(llama_path, dtype="float32").dtype_choice.dtype == "float32"  # config still forces either
+    assert make_engine(llama_path, dtype="bfloat16").dtype_choice.dtype == "bfloat16"
+
+
+WORKLOADS = list(dtype_probe.WORKLOADS)
+
+
+def _config(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> SimpleNamespace:
+    return SimpleNamespace(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                           intermediate_size=inter)
+
+
+def _times(**ratios: float) -> dtype_probe.Times:
+    return {"float32": {w: 1.0 for w in WORKLOADS}, "bfloat16": {w: ratios.get(w, 1.0) for w in WORKLOADS}}
+
+
+def test_the_probe_picks_the_dtype_no_slower_on_every_workload_and_says_why():
+    dtype, why = dtype_probe.choose(_times(prefill=0.5, decode_b1=0.6, decode_b32=0.55))
+    assert dtype == "bfloat16" and "prefill 0.50" in why and "no slower on any workload" in why
+    dtype, why = dtype_probe.choose(_times(prefill=1.3, decode_b1=1.1, decode_b32=1.2))
+    assert dtype == "float32" and "slower on every workload" in why
+    # a split (an AVX2 CPU: bf16 weights halve decode's bytes, its prefill runs fp32 FLOPs plus the widening)
+    dtype, why = dtype_probe.choose(_times(prefill=1.1, decode_b1=0.6, decode_b32=1.05))
+    assert dtype == "bfloat16" and "slower on prefill, decode_b32" in why and "one dtype per fleet" in why
+    dtype, why = dtype_probe.choose(_times(prefill=1.5, decode_b1=0.9, decode_b32=1.3))
+    assert dtype == "float32" and "slower on decode_b1" in why
+
+
+def test_resolve_takes_the_probe_unless_the_environment_or_the_config_decides(detect, monkeypatch):
+    probe = lambda: ("bfloat16", "probe says so")  # noqa: E731
+    if activation_dtype(torch.bfloat16) == torch.float32:  # our kernel runs bf16 weights: the probe decides
+        choice = resolve_dtypes("auto", "auto", cpuinfo_text=AVX2_ONLY, probe=probe)
+        assert (choice.dtype, choice.kv_dtype) == ("bfloat16", "bfloat16") and "probe says so" in choice.reason
+    choice = resolve_dtypes("auto", "auto", cpuinfo_text=AVX512_BF16, probe=lambda: ("float32", "measured"))
+    assert choice.dtype == "float32" and choice.reason.startswith("dtype auto -> float32: measured")
+    assert resolve_dtypes("bfloat16", "auto", probe=lambda: pytest.fail("probed")).dtype == "bfloat16"
+    monkeypatch.setenv(NATIVE_BF16_ENV, "0")
+    assert resolve_dtypes("auto", "auto", probe=lambda: pytest.fail("probed")).dtype == "float32"
+
+
+def test_the_probe_is_measured_once_per_key_and_survives_a_corrupt_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDD_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(shapes):
+        calls.append(shapes)
+        return _times(prefill=0.5, decode_b1=0.5, decode_b32=0.5)
+
+    shapes = dtype_probe.layer_shapes(_config(64, 4, 2, 16, 128))
+    times, source = dtype_probe.cached_times(shapes, fake)
+    assert times == _times(prefill=0.5, decode_b1=0.5, decode_b32=0.5) and source.startswith("probe measured now")
+    times, source = dtype_probe.cached_times(shapes, fake)
+    assert source.startswith("cached probe") and "at load" in source and len(calls) == 1
+    assert times == _times(prefill=0.5, decode_b1=0.5, decode_b32=0.5)
+    other = dtype_probe.layer_shapes(_config(128, 4, 2, 32, 256))
+    assert dtype_probe.cached_times(other, fake)[1].startswith("probe measured now")  # another model's shapes
+    (tmp_path / dtype_probe.CACHE_FILE).write_text("{not json")
+    assert dtype_probe.cached_times(shapes, fake)[1].startswith("probe measured now") and len(calls) == 3
+
+
+def test_the_real_probe_times_every_workload_in_both_dtypes():
+    times = dtype_probe.measure(dtype_probe.layer_shapes(_config(64, 4, 2, 16, 128)))
+    assert set(times) == {"float32", "bfloat16"}
+    for per_workload in times.values():
+        assert set(per_workload) == set(WORKLOADS)
+        assert all(0 < t < 10 for t in per_workload.values())
+    assert dtype_probe.choose(times)[0] in ("float32", "bfloat16")
 
 
 def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
