@@ -65,7 +65,8 @@ class CausalLM:
         if "lm_head.weight" in weights and not config.tie_word_embeddings:
             self.lm_head = Linear(w("lm_head.weight"), fp32_inputs=True)
         else:
-            self.lm_head = Linear(self.embed, fp32_inputs=True)  # tied: its own copy (the embedding lookup keeps [vocab, hidden])
+            # tied: its own copy (the embedding lookup keeps [vocab, hidden])
+            self.lm_head = Linear(self.embed, fp32_inputs=True)
         self.layers: list[LayerWeights] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."

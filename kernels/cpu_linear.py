@@ -106,7 +106,8 @@ def linear(
     pairs = fmt is WeightFormat.BF16_DOT  # [panels, in / 2, width, 2], else [panels, in, width]
     depth, width = (-(-in_features // 2), packed.shape[2]) if pairs else (in_features, packed.shape[-1])
     if packed.shape[1] != depth or packed.shape[0] * width < out_features:
-        raise ValueError(f"packed weight {list(packed.shape)} does not hold [{out_features}, {in_features}] as {fmt.name}")
+        raise ValueError(f"packed weight {list(packed.shape)} does not hold [{out_features}, {in_features}] "
+                         f"as {fmt.name}")
     x = x.contiguous()
     rows = x.shape[0]
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != in_features:
