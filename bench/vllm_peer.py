@@ -15,7 +15,8 @@ Timing rules:
   building it: model load, torch.compile/inductor, warm-up.
 - A measurement is one whole `llm.generate` call for the whole batch (every prompt a
   `TokensPrompt(prompt_token_ids=...)`), timed by the wall clock around the call: it includes the
-  batch's prefill, scheduling, sampling and detokenization (vLLM's default, as a user gets it).
+  batch's prefill, scheduling and sampling; no detokenizing (`detokenize=False`: bench/engine.py's engine
+  runs without a tokenizer, so neither side turns ids into text).
 - Greedy (temperature=0), `ignore_eos=True`, so every sequence makes exactly `new_tokens` tokens
   (checked).
 - Each case: one untimed warm call, then `repeats` timed calls; the best (shortest) wall time counts.
@@ -82,7 +83,7 @@ def _preload_iomp() -> None:
         _log(f"{iomp} missing (intel-openmp): vLLM falls back to libgomp")
         return
     os.environ["LD_PRELOAD"] = f"{preload}:{iomp}" if preload else iomp
-    os.execv(sys.executable, [sys.executable, *sys.argv])
+    os.execv(sys.executable, [sys.executable, "-P", *sys.argv])  # -P: the script's folder shadows nothing
 
 
 def _batch_prompts(entry: dict) -> list[list[int]]:
@@ -97,7 +98,8 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int, repeats: int) -> list
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # detokenize=False: bench/engine.py's engine runs without a tokenizer, so neither side pays for text
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     walls = []
     for i in range(repeats + 1):  # the first call warms up and is not counted

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from pdd.engine.config import ModelConfig
-from pdd.kernels import Linear, native
+from pdd.engine.cpu_features import cpu_flags
+from pdd.kernels import Linear, activation_dtype, native
 from pdd.shared.kv_layout import dtype_from_name
 from pdd.shared.model_files import cache_dir
 
@@ -57,17 +58,14 @@ def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
 
 
 def _cpu_identity() -> str:
-    model, flags = platform.processor(), ""
+    """Model name and a hash of the flags (cpu_features.cpu_flags) of /proc/cpuinfo's first CPU."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            if key.strip() in ("flags", "Features"):
-                flags = value.strip()
-                break
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        text = ""
+    model = next((line.partition(":")[2].strip() for line in text.splitlines()
+                  if line.partition(":")[0].strip() == "model name"), platform.processor())
+    flags = " ".join(sorted(cpu_flags(text)))
     return f"{model}|{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
@@ -102,26 +100,20 @@ def measure(shapes: list[tuple[int, int]]) -> Times:
     copies = {d: max(2, min(MAX_COPIES, math.ceil(STREAM_BYTES / layer_bytes[d]))) for d in DTYPES}
     base = [torch.randn(o, i, generator=g) for o, i in shapes]  # copies share values, not memory
     layers = {d: [[Linear(w.to(dtype_from_name(d))) for w in base] for _ in range(copies[d])] for d in DTYPES}
-    inputs = {w: {i: torch.randn(rows, i, generator=g) for _, i in shapes} for w, rows in WORKLOADS.items()}
+    # inputs in the dtype each route takes (fp32 on our kernel, the weights' dtype elsewhere)
+    inputs = {(w, d): {i: torch.randn(rows, i, generator=g).to(activation_dtype(dtype_from_name(d)))
+                       for _, i in shapes} for w, rows in WORKLOADS.items() for d in DTYPES}
     best: Times = {d: {w: math.inf for w in WORKLOADS} for d in DTYPES}
     for w in WORKLOADS:
         for d in DTYPES:  # warm: first touches of every copy and, on oneDNN routes, primitive builds
-            _time_once(layers[d], _as_input(inputs[w], layers[d][0]))
+            _time_once(layers[d], inputs[w, d])
     for _ in range(ROUNDS):
         for w, rows in WORKLOADS.items():
             for d in DTYPES:
                 # prefill is compute bound: two copies suffice, and keep the probe short
                 use = layers[d][:2] if rows >= 128 else layers[d]
-                best[d][w] = min(best[d][w], _time_once(use, _as_input(inputs[w], layers[d][0])))
+                best[d][w] = min(best[d][w], _time_once(use, inputs[w, d]))
     return best
-
-
-def _as_input(xs: dict[int, torch.Tensor], layer: list[Linear]) -> dict[int, torch.Tensor]:
-    """Inputs in the dtype the projections take (fp32 on our kernel, the weights' dtype elsewhere)."""
-    from pdd.kernels import activation_dtype
-
-    act = activation_dtype(layer[0].shape[1])
-    return {k: v.to(act) for k, v in xs.items()}
 
 
 def choose(times: Times) -> tuple[str, str]:
@@ -151,30 +143,42 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _read_entry(entry: object) -> Times | None:
+    """An entry's timings, or None where it is not a whole and sane one (another version's, a hand edit)."""
+    try:
+        times = {d: {w: float(entry[d][w]) for w in WORKLOADS} for d in DTYPES}  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return times if all(0 < t < math.inf for per in times.values() for t in per.values()) else None
+
+
 def cached_times(shapes: list[tuple[int, int]], measure_fn: Callable[[list[tuple[int, int]]], Times] = measure
                  ) -> tuple[Times, str]:
-    """(times, where they come from): measured once per cache key, under a file lock, then read."""
+    """(times, where they come from): measured once per cache key, under a file lock, then read. A cache that
+    cannot be used (a read-only home, a file where the folder should be) costs the caching, not the start."""
     path = cache_dir() / CACHE_FILE
     key = cache_key(shapes)
-    with _locked(path):
-        try:
-            entries = json.loads(path.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        if not isinstance(entries, dict):
-            entries = {}
-        entry = entries.get(key)
-        if isinstance(entry, dict) and all(isinstance(entry.get(d), dict) and set(entry[d]) == set(WORKLOADS)
-                                           for d in DTYPES):
-            times = {d: {w: float(entry[d][w]) for w in WORKLOADS} for d in DTYPES}
-            return times, f"cached probe of {entry.get('measured')} at load {entry.get('load_avg_1min')}, {path}"
-        times = measure_fn(shapes)
-        load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-        entries[key] = {**times, "load_avg_1min": load, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(path)
-        return times, f"probe measured now at load {load}, {path}"
+    try:
+        with _locked(path):
+            try:
+                entries = json.loads(path.read_text())
+            except (OSError, ValueError):
+                entries = {}
+            if not isinstance(entries, dict):
+                entries = {}
+            entry = entries.get(key)
+            times = _read_entry(entry)
+            if times is not None:
+                return times, f"cached probe of {entry.get('measured')} at load {entry.get('load_avg_1min')}, {path}"
+            times = measure_fn(shapes)
+            load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+            entries[key] = {**times, "load_avg_1min": load, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(entries, indent=1))
+            tmp.replace(path)
+            return times, f"probe measured now at load {load}, {path}"
+    except OSError as exc:
+        return measure_fn(shapes), f"probe measured now, not cached ({exc})"
 
 
 def probe_dtype(config: ModelConfig) -> tuple[str, str]:

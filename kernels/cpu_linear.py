@@ -33,9 +33,9 @@ class WeightFormat(IntEnum):
     BF16_DOT = 2  # bf16 k-pair panels, bf16 products with fp32 accumulation (AVX512-BF16)
 
     @property
-    def arithmetic(self) -> str:
+    def arithmetic(self) -> torch.dtype:
         """The dtype the products are computed in."""
-        return "bfloat16" if self is WeightFormat.BF16_DOT else "float32"
+        return torch.bfloat16 if self is WeightFormat.BF16_DOT else torch.float32
 
 
 def available() -> bool:

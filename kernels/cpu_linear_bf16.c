@@ -129,25 +129,19 @@ static AVX512_BF16 void row_dot(const uint32_t *xp, int64_t KK, const uint16_t *
   const int64_t step = KK * 2 * PANEL_BF16;
   __m512 z = _mm512_setzero_ps();
   __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
+#define DOT_PANEL(q, c0, c1, c2)                                                              \
+  c0 = _mm512_dpbf16_ps(c0, (__m512bh)_mm512_loadu_si512(q), xv);                             \
+  c1 = _mm512_dpbf16_ps(c1, (__m512bh)_mm512_loadu_si512((q) + 32), xv);                      \
+  c2 = _mm512_dpbf16_ps(c2, (__m512bh)_mm512_loadu_si512((q) + 64), xv);
   for (int64_t kk = 0; kk < KK; kk++) {
     __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[kk]);
     const uint16_t *w = panel + kk * 2 * PANEL_BF16;
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w), xv);
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + 32), xv);
-    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(w + 64), xv);
-    w += step;
-    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(w), xv);
-    a4 = _mm512_dpbf16_ps(a4, (__m512bh)_mm512_loadu_si512(w + 32), xv);
-    a5 = _mm512_dpbf16_ps(a5, (__m512bh)_mm512_loadu_si512(w + 64), xv);
-    w += step;
-    a6 = _mm512_dpbf16_ps(a6, (__m512bh)_mm512_loadu_si512(w), xv);
-    a7 = _mm512_dpbf16_ps(a7, (__m512bh)_mm512_loadu_si512(w + 32), xv);
-    a8 = _mm512_dpbf16_ps(a8, (__m512bh)_mm512_loadu_si512(w + 64), xv);
-    w += step;
-    a9 = _mm512_dpbf16_ps(a9, (__m512bh)_mm512_loadu_si512(w), xv);
-    a10 = _mm512_dpbf16_ps(a10, (__m512bh)_mm512_loadu_si512(w + 32), xv);
-    a11 = _mm512_dpbf16_ps(a11, (__m512bh)_mm512_loadu_si512(w + 64), xv);
+    DOT_PANEL(w, a0, a1, a2)
+    DOT_PANEL(w + step, a3, a4, a5)
+    DOT_PANEL(w + 2 * step, a6, a7, a8)
+    DOT_PANEL(w + 3 * step, a9, a10, a11)
   }
+#undef DOT_PANEL
   const int64_t n = ROW_PANELS * PANEL_BF16;
   finish(a0, 0, n, bias, res, out); finish(a1, 16, n, bias, res, out); finish(a2, 32, n, bias, res, out);
   finish(a3, 48, n, bias, res, out); finish(a4, 64, n, bias, res, out); finish(a5, 80, n, bias, res, out);

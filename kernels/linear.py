@@ -73,7 +73,7 @@ def products_dtype(weight_dtype: torch.dtype, device: str = "cpu") -> torch.dtyp
     """The dtype a projection of ``weight_dtype`` weights multiplies in: bf16 weights take bf16 products on our
     kernel where the CPU has AVX512-BF16, fp32 ones elsewhere on it; off our kernel, the weights' dtype."""
     if _row_invariant_route(weight_dtype, device):
-        return torch.bfloat16 if cpu_linear.format_for(weight_dtype).arithmetic == "bfloat16" else torch.float32
+        return cpu_linear.format_for(weight_dtype).arithmetic
     return weight_dtype
 
 

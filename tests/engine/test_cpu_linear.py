@@ -107,7 +107,7 @@ def test_the_format_follows_the_cpu_and_the_override(monkeypatch):
     monkeypatch.delenv("PDD_NATIVE_BF16")
     expected = WeightFormat.BF16_DOT if cpu_linear.bf16_arithmetic_available() else WeightFormat.BF16
     assert cpu_linear.format_for(torch.bfloat16) is expected
-    assert expected.arithmetic == ("bfloat16" if expected is WeightFormat.BF16_DOT else "float32")
+    assert expected.arithmetic == (torch.bfloat16 if expected is WeightFormat.BF16_DOT else torch.float32)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

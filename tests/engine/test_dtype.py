@@ -5,6 +5,7 @@ torch still computes it)."""
 
 from __future__ import annotations
 
+import json
 import random
 from types import SimpleNamespace
 
@@ -211,6 +212,21 @@ def test_the_probe_is_measured_once_per_key_and_survives_a_corrupt_cache(tmp_pat
     assert dtype_probe.cached_times(other, fake)[1].startswith("probe measured now")  # another model's shapes
     (tmp_path / dtype_probe.CACHE_FILE).write_text("{not json")
     assert dtype_probe.cached_times(shapes, fake)[1].startswith("probe measured now") and len(calls) == 3
+    # an entry of the right key but wrong contents (a hand edit, another version) is measured again, not trusted
+    key = dtype_probe.cache_key(shapes)
+    for bad in ({"float32": {"prefill": "fast"}}, {"float32": None, "bfloat16": {}},
+                {d: {w: -1.0 for w in WORKLOADS} for d in ("float32", "bfloat16")}, [1, 2]):
+        (tmp_path / dtype_probe.CACHE_FILE).write_text(json.dumps({key: bad}))
+        assert dtype_probe.cached_times(shapes, fake)[1].startswith("probe measured now"), bad
+    assert len(calls) == 7
+
+
+def test_an_unusable_cache_costs_the_caching_not_the_start(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("PDD_CACHE_DIR", str(tmp_path / "file" / "pdd"))  # its parent is a file: mkdir fails
+    times, source = dtype_probe.cached_times(dtype_probe.layer_shapes(_config(64, 4, 2, 16, 128)),
+                                             lambda _: _times(prefill=0.5))
+    assert times == _times(prefill=0.5) and source.startswith("probe measured now, not cached")
 
 
 def test_the_real_probe_times_every_workload_in_both_dtypes():
