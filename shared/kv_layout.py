@@ -42,6 +42,7 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str  # one of float32 / float16 / bfloat16
+    backend: str = "torch"  # the engine backend that wrote the pages: another one's K may differ (rotary order)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -74,6 +75,7 @@ class KVLayout:
             kv_heads=int(data["kv_heads"]),
             head_dim=int(data["head_dim"]),
             dtype=str(data["dtype"]),
+            backend=str(data.get("backend", "torch")),
         )
         dtype_from_name(layout.dtype)
         return layout

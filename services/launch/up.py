@@ -19,6 +19,7 @@ emulation, one nats-server each (``sites.py``: where each role runs, the leaf li
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -137,6 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for role, site in ((Role.PREFILL, "site-a"), (Role.RELAY, "site-a"), (Role.MAIN_DECODE, "site-b")):
         parser.add_argument(f"--{role}", type=int, default=None,
                             help=f"{role} instances ({site}; default 1, with --emulate the scenario's)")
+    parser.add_argument("--backend", default=None, choices=[b.value for b in Backend if b != Backend.EMULATED],
+                        help="engine backend of every role (default: the base config's model.backend, torch). vllm: "
+                             "vLLM embedded in each role (run from .venv-vllm: bash scripts/install_vllm.sh; "
+                             "docs/BACKENDS.md)")
     parser.add_argument("--emulate", default=None, metavar="SCENARIO",
                         help="emulated accelerators at a simulator scenario's shape (e.g. report: the report's "
                              "chips, model, instance counts and WAN; no weights); see docs/OPERATIONS.md")
@@ -191,7 +196,7 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     base = load_config(args.config).model_dump(mode="json")
     if args.model:
         base["model"]["path"] = args.model
-    for field in ("dtype", "kv_dtype"):
+    for field in ("dtype", "kv_dtype", "backend"):
         if getattr(args, field, None):
             base["model"][field] = getattr(args, field)
     if getattr(args, "emulate", None):
@@ -201,6 +206,11 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
             setattr(args, role.replace("-", "_"), 1)
     if base["model"]["backend"] == Backend.EMULATED:
         notes["dtype"] = "no weights: emulated accelerators (KV pages carry a float32 pattern)"
+    elif base["model"]["backend"] == Backend.VLLM:
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("model.backend vllm needs vLLM, which this Python lacks: bash scripts/install_vllm.sh, "
+                              "then .venv-vllm/bin/pdd up --backend vllm (docs/BACKENDS.md)")
+        notes["dtype"] = resolve_dtypes(base["model"]["dtype"], base["model"]["kv_dtype"]).reason + " (vLLM)"
     else:
         # `auto` measured here, before the services start loading (a quiet probe, cached for all of them)
         path = base["model"]["path"]

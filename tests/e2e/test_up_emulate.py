@@ -7,6 +7,7 @@ Real: `pdd up --emulate small` (the small test profile) answers a chat request t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -70,3 +71,11 @@ def test_emulate_small_answers_a_chat_request(tmp_path, tiny_model) -> None:
                   if '"model_loaded"' in line]
         assert loaded and loaded[0]["backend"] == "emulated", name
         assert loaded[0]["emulated"]["chip"] == "small test chip"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed (tests/vllm covers it)")
+def test_backend_vllm_without_vllm_is_a_clear_config_error(tmp_path) -> None:
+    from pdd.shared.config import ConfigError
+
+    with pytest.raises(ConfigError, match="bash scripts/install_vllm.sh"):
+        build_config(_args("--backend", "vllm"), NATS, tmp_path, {})

@@ -4,6 +4,7 @@ services reach nothing of an engine outside it."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 from pathlib import Path
 
@@ -85,9 +86,12 @@ def test_new_members_behave(engine: Engine) -> None:
 
 
 def test_load_engine(llama_path) -> None:
-    assert BACKENDS == ("torch", "emulated")
+    assert BACKENDS == ("torch", "emulated", "vllm")
     with pytest.raises(ValueError, match="unknown engine backend"):
         load_engine("nope")
+    if importlib.util.find_spec("vllm") is None:  # the vllm backend says how to get it (tests/vllm test it where it is)
+        with pytest.raises(RuntimeError, match="bash scripts/install_vllm.sh"):
+            load_engine("vllm")
     eng = load_engine("torch", path=llama_path, num_blocks=8, block_size=4, load_tokenizer=False)
     assert isinstance(eng, Engine) and isinstance(eng, EngineBackend)
     assert eng.kv_buffers()[0][0].dtype == torch.float32

