@@ -96,13 +96,15 @@ def main(argv: list[str] | None = None) -> None:
                 for p in prompts))
         for r in replies:
             r.raise_for_status()
-        return [r.json()["pdd"]["token_ids"] for r in replies]
+        return [r.json()["pdd"] for r in replies]
 
     with LocalCluster(run_dir, config) as cluster:
         cluster.start(timeout=600)
         for pipeline, handoff in cases:
             name = pipeline.value + (f" {handoff.value}" if handoff else "")
-            report["setups"][name] = agreement(asyncio.run(send_all(cluster.base_url, pipeline, handoff)))
+            infos = asyncio.run(send_all(cluster.base_url, pipeline, handoff))
+            report["setups"][name] = {**agreement([info["token_ids"] for info in infos]),
+                                      "handed_over": sum(bool(info.get("handoff_mode")) for info in infos)}
             print(f"{name}, all at once: {report['setups'][name]}", flush=True)
     report["run_dir"] = str(run_dir)
     print(json.dumps(report))

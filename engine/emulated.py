@@ -48,6 +48,7 @@ from pdd.engine.engine import Engine
 from pdd.engine.request import Request, StepOutput
 from pdd.engine.sampling import SamplingParams
 from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS
+from pdd.shared.backends import Backend
 from pdd.shared.cost_model import Chip, CostModel, ModelSpec, from_hardware
 from pdd.shared.kv_layout import KVLayout
 
@@ -151,7 +152,7 @@ class EmulatedEngine(Engine):
         self.tokenizer = None
         self.dtype_choice = DtypeChoice(kv_dtype, kv_dtype, "emulated backend: no weights")
         self.layout = KVLayout(num_layers=num_layers, block_size=block_size, kv_heads=kv_heads,
-                               head_dim=head_dim, dtype=kv_dtype)
+                               head_dim=head_dim, dtype=kv_dtype, backend=Backend.EMULATED.value)
         if num_blocks is None:
             cap = self.cost_model.kv_capacity_tokens
             num_blocks = cap // block_size if cap < _UNBOUNDED else DEFAULT_NUM_BLOCKS

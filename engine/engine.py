@@ -37,6 +37,7 @@ from pdd.engine.request import ImportReservation, Request, Status, StepOutput
 from pdd.engine.sampling import SamplingParams, sample_rows, token_logprobs
 from pdd.engine.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
 from pdd.kernels import build_attention_metadata
+from pdd.shared.backends import Backend
 from pdd.shared.kv_layout import KVLayout, dtype_from_name
 
 DEFAULT_KV_MEMORY_BYTES = 512 * 1024 * 1024
@@ -76,6 +77,7 @@ class Engine:
             kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype_choice.kv_dtype,
+            backend=Backend.TORCH.value,
         )
         if num_blocks is None:
             num_blocks = KVPool.blocks_for_budget(self.layout, kv_memory_bytes)

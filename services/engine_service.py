@@ -87,7 +87,8 @@ class FleetLayouts:
                 raise KVLayoutMismatchError(
                     f"KV dtype/layout mismatch: this instance's KV is {own.dtype} ({own.to_dict()}), but running "
                     f"{info.role} {info.instance_id} uses {their_dtype} ({info.kv_layout}); every prefill, relay "
-                    f"and main decode of a fleet must resolve model.dtype / model.kv_dtype to the same KV dtype")
+                    f"and main decode of a fleet must resolve model.dtype / model.kv_dtype to the same KV dtype and "
+                    f"run one model.backend (pages here: {own.backend}, there: {info.kv_layout.get('backend', '?')})")
         log.info("fleet_kv_layout_agrees", kv_dtype=own.dtype, peers=sorted(self.seen))
 
     async def close(self) -> None:

@@ -35,14 +35,15 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of a paged KV pool: per layer, K and V tensors of [num_blocks, block_size, kv_heads, head_dim]."""
+    """Shape of a paged KV pool: per layer, K and V tensors of [num_blocks, block_size, kv_heads, head_dim]; and
+    the page format, the backend that wrote the values (equal shapes of two backends need not mean equal bytes)."""
 
     num_layers: int
     block_size: int
     kv_heads: int
     head_dim: int
     dtype: str  # one of float32 / float16 / bfloat16
-    backend: str = "torch"  # the engine backend that wrote the pages: another one's K may differ (rotary order)
+    backend: str = "torch"  # the page format: the engine backend that wrote them (vLLM adds its version, ISA)
 
     @property
     def torch_dtype(self) -> torch.dtype:

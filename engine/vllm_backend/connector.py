@@ -88,7 +88,6 @@ class StagingBook:
     block_size: int
     grow: Any  # (plan, blocks_needed) -> bool: allocate staging blocks for a caching save (engine thread)
     plans: dict[str, TransferPlan] = field(default_factory=dict)  # by PDD request id
-    vllm_blocks_in_use: int = 0
 
 
 _BOOKS: dict[str, StagingBook] = {}
@@ -98,11 +97,6 @@ _BOOKS_LOCK = threading.Lock()
 def register_book(name: str, book: StagingBook) -> None:
     with _BOOKS_LOCK:
         _BOOKS[name] = book
-
-
-def unregister_book(name: str) -> None:
-    with _BOOKS_LOCK:
-        _BOOKS.pop(name, None)
 
 
 def _book(name: str) -> StagingBook:
@@ -210,6 +204,10 @@ class PDDConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self._plan(request)
         if plan is None or plan.load_tokens <= num_computed_tokens:
+            return 0, False
+        if plan.load_tokens > len(plan.staging_blocks) * self.book.block_size:  # never planned so: recompute
+            log.error("pdd_connector_bad_plan", request_id=plan.rid, load_tokens=plan.load_tokens,
+                      staging_blocks=len(plan.staging_blocks))
             return 0, False
         # at least one token must be computed by vLLM to sample from: the engine never plans a whole-prompt load
         return plan.load_tokens - num_computed_tokens, False

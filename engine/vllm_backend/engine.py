@@ -96,12 +96,13 @@ class VllmEngine:
     def __init__(self, path: str = "default", dtype: str = "auto", *, kv_dtype: str = "auto",
                  kv_memory_bytes: int = 256 << 20, block_size: int = 16, max_num_seqs: int = 64,
                  max_prefill_tokens: int = 2048, max_model_len: int | None = None, enable_prefix_cache: bool = True,
-                 cache_finished: bool = True, num_threads: int | None = None, vllm_kv_memory_bytes: int = 512 << 20,
+                 cache_finished: bool = True, num_threads: int | None = None, vllm_kv_memory_bytes: int | None = None,
                  enforce_eager: bool = True, **_ignored: Any) -> None:
         """``kv_memory_bytes``: the staging pool (what transfers and the prefix cache hold);
-        ``vllm_kv_memory_bytes``: vLLM's own cache. ``block_size``: rounded up to what vLLM's attention takes
-        (a multiple of 32 on CPU); staging and vLLM share it. ``enforce_eager``: skip vLLM's compile (starts in
-        seconds, decodes slower). Other torch-engine arguments (``_ignored``) have no vLLM meaning."""
+        ``vllm_kv_memory_bytes``: vLLM's own cache (default: as much; ``model.kv_memory_mb`` sets both).
+        ``block_size``: rounded up to what vLLM's attention takes (a multiple of 32 on CPU); staging and vLLM
+        share it. ``enforce_eager``: skip vLLM's compile (starts in seconds, decodes slower). Other torch-engine
+        arguments (``_ignored``) have no vLLM meaning."""
         global _live_engine
         if _live_engine:
             raise RuntimeError("one vLLM engine per process: vLLM keeps its attention layers in process-wide "
@@ -144,12 +145,13 @@ class VllmEngine:
         self.eos_token_ids: list[int] = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         self.entries: dict[str, _Entry] = {}
         self._book_name = f"pdd-{os.getpid()}-{next(_books)}"
-        connector.register_book(self._book_name, connector.StagingBook(
-            k=self.pool.k_cache, v=self.pool.v_cache, block_size=block_size, grow=self._grow_for_cache))
+        self._book = connector.StagingBook(k=self.pool.k_cache, v=self.pool.v_cache, block_size=block_size,
+                                           grow=self._grow_for_cache)
+        connector.register_book(self._book_name, self._book)
         args = EngineArgs(
             model=folder, dtype=self.dtype_choice.dtype, block_size=block_size, max_model_len=self.max_context,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_prefill_tokens, self.max_context),
-            enable_prefix_caching=enable_prefix_cache, kv_cache_memory_bytes=vllm_kv_memory_bytes,
+            enable_prefix_caching=enable_prefix_cache, kv_cache_memory_bytes=vllm_kv_memory_bytes or kv_memory_bytes,
             enforce_eager=enforce_eager, seed=0,
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PDDConnector", kv_connector_module_path=connector.__name__, kv_role="kv_both",
@@ -245,12 +247,10 @@ class VllmEngine:
         if entry.vllm_id is not None:
             self.vllm.abort_request([entry.vllm_id], internal=True)
             entry.vllm_id = None
-        self._connector_plans().pop(req.rid, None)
+        self._book.plans.pop(req.rid, None)
+        insert = insert and self.cache_finished and not entry.plan.failed  # a failed save left blocks unfilled
         req.num_computed = min(entry.plan.saved_through, len(req.tokens)) if insert else 0
-        self.staging.release(req, insert=insert and self.cache_finished)
-
-    def _connector_plans(self) -> dict[str, Any]:
-        return self._connector._BOOKS[self._book_name].plans
+        self.staging.release(req, insert=insert)
 
     # ---- requests --------------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None,
@@ -308,9 +308,9 @@ class VllmEngine:
         entry.emitted = len(output_ids_so_far)
         entry.plan.load_tokens = req.prompt_len  # the transfer filled the prompt's blocks
         entry.plan.saved_through = req.prompt_len // self.block_size * self.block_size  # saves are whole blocks
-        entry.plan.save_until = None if self.cache_finished and self.enable_prefix_cache else req.prompt_len
-        if self._known_finish(entry):
-            entry.finish = self._known_finish(entry)
+        caching = self.cache_finished and self.enable_prefix_cache  # MD: save full blocks as computed; RLD: none
+        entry.plan.save_until = None if caching else entry.plan.saved_through
+        entry.finish = self._known_finish(entry)  # e.g. P's first token was EOS: finish without vLLM
 
     def _known_finish(self, entry: _Entry) -> str | None:
         req = entry.req
@@ -339,9 +339,7 @@ class VllmEngine:
             raise PromptTooLongError(f"request {rid!r} would pass the context limit {self.max_context}")
         req.tokens.extend(int(t) for t in token_ids)
         entry.emitted = req.num_outputs
-        finish = self._known_finish(entry)
-        if finish:
-            entry.finish = finish
+        entry.finish = self._known_finish(entry)
 
     def pause(self, rid: str) -> None:
         entry = self._get(rid)
@@ -403,7 +401,7 @@ class VllmEngine:
             frequency_penalty=p.frequency_penalty, min_tokens=max(0, p.min_tokens - req.num_outputs),
             logprobs=p.logprobs, max_tokens=remaining, detokenize=False, output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": {self._connector.RID_KEY: req.rid}})
-        self._connector_plans()[req.rid] = entry.plan
+        self._book.plans[req.rid] = entry.plan
         entry.vllm_id = self.vllm.add_request(req.rid, TokensPrompt(prompt_token_ids=list(req.tokens)), vp)
         req.status = Status.RUNNING
 
@@ -450,7 +448,7 @@ class VllmEngine:
             if entry.plan.saved_through < req.prompt_len or entry.plan.failed:  # the prompt's KV is not in staging
                 entry.export_failed = entry.plan.failed or "vLLM finished the request before its prefill was saved"
             req.status = Status.HELD
-            self._connector_plans().pop(req.rid, None)
+            self._book.plans.pop(req.rid, None)
         else:
             self._free(entry, insert=True)
         return out

@@ -4,6 +4,7 @@ its attention layers in process-wide state, so a process holds one engine)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -23,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def vllm_engine():
-    """One vLLM engine in the test process, float32 (the same on every CPU), no decode-side caching."""
+    """One vLLM engine in the test process (``DTYPE``), no decode-side caching."""
     from pdd.engine.vllm_backend.engine import VllmEngine
 
-    return VllmEngine(dtype="float32", kv_memory_bytes=KV_MB << 20, block_size=BLOCK_SIZE, cache_finished=False,
+    return VllmEngine(dtype=DTYPE, kv_memory_bytes=KV_MB << 20, block_size=BLOCK_SIZE, cache_finished=False,
                       num_threads=1)

@@ -200,7 +200,7 @@ async def test_corrupt_kv_frames_leave_the_staging_pool_untouched(vllm_engine):
 
 
 def test_pdd_up_backend_vllm_writes_a_vllm_fleet(tmp_path):
-    """`pdd up --backend vllm`: every role's model.backend is vllm (where vLLM is missing it refuses: tests/e2e/test_up_emulate.py)."""
+    """`pdd up --backend vllm`: every role's model.backend is vllm (without vLLM it refuses: test_up_emulate.py)."""
     from pdd.services.launch.up import build_config
     from tests.e2e.test_up import _args
 

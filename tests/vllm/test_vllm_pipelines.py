@@ -17,7 +17,7 @@ import pytest
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.backends import Backend
 from pdd.shared.pipelines import HandoffMode, Pipeline
-from tests.vllm.conftest import BLOCK_SIZE, KV_MB
+from tests.vllm.conftest import BLOCK_SIZE, DTYPE, KV_MB
 
 MAX_TOKENS = 40  # MD's KV lands mid-stream over the 100 ms WAN: the relay hands over
 CASES = [(Pipeline.P_MD, None), (Pipeline.P_RLD_MD, HandoffMode.ONE_SHOT), (Pipeline.P_RLD_MD, HandoffMode.CATCH_UP),
@@ -34,7 +34,7 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory):
     config = {
-        "model": {"backend": Backend.VLLM.value, "path": "default", "dtype": "float32", "kv_memory_mb": KV_MB,
+        "model": {"backend": Backend.VLLM.value, "path": "default", "dtype": DTYPE, "kv_memory_mb": KV_MB,
                   "block_size": BLOCK_SIZE, "max_num_seqs": 16, "threads": 1},
         **two_site_layout(),
         "transports": {"fast": {"name": "zmq", "options": {}},
@@ -147,3 +147,22 @@ def test_main_decode_killed_midstream_finishes_on_relay(vllm_cluster):
     vllm_cluster.members["md-0"].stop()
     vllm_cluster.spawn("md-0")
     vllm_cluster.wait_ready(600)
+
+
+@pytest.mark.parametrize("pipeline", [Pipeline.P_MD, Pipeline.P_RLD_MD, Pipeline.P_RLD],
+                         ids=lambda p: p.value)
+def test_client_abort_frees_every_block(vllm_cluster, pipeline):
+    """A client that goes away mid-stream: every instance drops the request (vLLM's too) and holds no block."""
+    import aiohttp
+
+    from pdd.loadgen.client import stream
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            body = {**_body([1000 + i for i in range(150)], pipeline, None, max_tokens=400), "stream": True}
+            return await stream(session, vllm_cluster.base_url + "/v1/completions", body, abort_after_tokens=5,
+                                timeout_s=120)
+
+    done = asyncio.run(run())
+    assert 5 <= done.streamed_tokens < 400
+    assert vllm_cluster.wait_idle() == {m.instance_id: 0 for m in vllm_cluster.engine_members()}
