@@ -99,7 +99,8 @@ class VllmEngine:
                  cache_finished: bool = True, num_threads: int | None = None, vllm_kv_memory_bytes: int | None = None,
                  enforce_eager: bool = True, **_ignored: Any) -> None:
         """``kv_memory_bytes``: the staging pool (what transfers and the prefix cache hold);
-        ``vllm_kv_memory_bytes``: vLLM's own cache (default: as much; ``model.kv_memory_mb`` sets both).
+        ``vllm_kv_memory_bytes``: vLLM's own cache (default: as much, a few blocks more; ``model.kv_memory_mb``
+        sets both).
         ``block_size``: rounded up to what vLLM's attention takes (a multiple of 32 on CPU); staging and vLLM
         share it. ``enforce_eager``: skip vLLM's compile (starts in seconds, decodes slower). Other torch-engine
         arguments (``_ignored``) have no vLLM meaning."""
@@ -151,13 +152,19 @@ class VllmEngine:
         args = EngineArgs(
             model=folder, dtype=self.dtype_choice.dtype, block_size=block_size, max_model_len=self.max_context,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max(max_prefill_tokens, self.max_context),
-            enable_prefix_caching=enable_prefix_cache, kv_cache_memory_bytes=vllm_kv_memory_bytes or kv_memory_bytes,
-            enforce_eager=enforce_eager, seed=0,
+            enable_prefix_caching=enable_prefix_cache, enforce_eager=enforce_eager, seed=0,
+            kv_cache_memory_bytes=vllm_kv_memory_bytes or self._vllm_cache_bytes(),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="PDDConnector", kv_connector_module_path=connector.__name__, kv_role="kv_both",
                 kv_connector_extra_config={connector.BOOK_KEY: self._book_name}))
         self.vllm = LLMEngine.from_engine_args(args)
         self.linear_kernel = f"vllm {_vllm_version()} ({self.dtype_choice.dtype})"
+
+    def _vllm_cache_bytes(self) -> int:
+        """As much as staging, plus a few blocks: vLLM keeps a null block and must hold one request of
+        ``max_context`` tokens."""
+        block_bytes = 2 * self.layout.num_layers * self.layout.bytes_per_block_per_tensor
+        return (self.pool.allocator.num_blocks + 4) * block_bytes
 
     # ---- what the engine is ---------------------------------------------------------------------
     @property

@@ -10,15 +10,7 @@ import torch
 
 from pdd.engine import SamplingParams
 from pdd.engine.errors import EngineInputError, UnknownRequestError
-
-
-def _run(engine, rid: str) -> list[int]:
-    tokens: list[int] = []
-    while engine.has_work():
-        for out in engine.step():
-            if out.rid == rid:
-                tokens.extend(out.token_ids)
-    return tokens
+from tests.vllm.conftest import run_to_end
 
 
 def _no_leak(engine) -> None:
@@ -118,7 +110,7 @@ def test_extend_of_a_request_running_in_vllm_is_refused_and_it_finishes(vllm_eng
         e.extend_known("run", [5, 6])
     with pytest.raises(EngineInputError, match="cannot pause"):
         e.pause("run")
-    rest = _run(e, "run")
+    rest = run_to_end(e, "run")
     assert sum(len(o.token_ids) for o in first if o.rid == "run") + len(rest) == 12
     _no_leak(e)
 
@@ -129,14 +121,14 @@ def test_held_prefill_exports_staging_blocks_and_release_caches_them(vllm_engine
     e.cache_finished = True  # as P's engine (the session's engine is a reference that caches nothing)
     prompt = list(range(1000, 1000 + 3 * e.block_size + 5))
     e.add_request("p", prompt, SamplingParams(), max_new_tokens=1, hold_kv=True)
-    assert len(_run(e, "p")) == 1
+    assert len(run_to_end(e, "p")) == 1
     blocks = e.request_blocks("p")
     assert len(blocks) == 4
     assert all(e.pool.k_cache[0][b].abs().sum() > 0 for b in blocks)  # the connector saved them
     e.release("p")
     assert e.cached_prefix_len(prompt) == 3 * e.block_size
     e.add_request("p2", prompt + [9], SamplingParams(), max_new_tokens=1, hold_kv=True)  # a staging hit
-    _run(e, "p2")
+    run_to_end(e, "p2")
     assert e.request_blocks("p2")[:3] == blocks[:3]  # the cached prefix is shared, not saved again
     e.release("p2")
     e.cache_finished = False

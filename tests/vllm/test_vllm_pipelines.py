@@ -17,7 +17,7 @@ import pytest
 from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.backends import Backend
 from pdd.shared.pipelines import HandoffMode, Pipeline
-from tests.vllm.conftest import BLOCK_SIZE, DTYPE, KV_MB
+from tests.vllm.conftest import BLOCK_SIZE, DTYPE, KV_MB, run_to_end
 
 MAX_TOKENS = 40  # MD's KV lands mid-stream over the 100 ms WAN: the relay hands over
 CASES = [(Pipeline.P_MD, None), (Pipeline.P_RLD_MD, HandoffMode.ONE_SHOT), (Pipeline.P_RLD_MD, HandoffMode.CATCH_UP),
@@ -60,12 +60,7 @@ def _generate(engine, prompt: list[int], max_tokens: int) -> list[int]:
 
     rid = f"ref-{random.getrandbits(48)}"
     engine.add_request(rid, prompt, SamplingParams(ignore_eos=True), max_new_tokens=max_tokens)
-    tokens: list[int] = []
-    while engine.has_work():
-        for out in engine.step():
-            if out.rid == rid:
-                tokens.extend(out.token_ids)
-    return tokens
+    return run_to_end(engine, rid)
 
 
 def _body(prompt, pipeline: Pipeline, handoff: HandoffMode | None, max_tokens: int = MAX_TOKENS) -> dict:
