@@ -432,7 +432,8 @@ class VllmEngine:
             if stop is not None and entry.emitted + len(tokens) >= stop:
                 tokens = tokens[: max(0, stop - entry.emitted)]
                 finished, reason = True, "length"
-            logprobs = _logprobs(completion.logprobs, tokens) if entry.req.params.logprobs is not None else None
+            wanted = entry.req.params.logprobs
+            logprobs = _logprobs(completion.logprobs, tokens, wanted) if wanted is not None else None
             start = entry.emitted
             entry.req.tokens.extend(tokens)
             entry.emitted += len(tokens)
@@ -461,19 +462,18 @@ class VllmEngine:
         return out
 
 
-def _logprobs(entries: Any, tokens: list[int]) -> list[TokenLogprobs | None]:
-    """vLLM's per-position {token id: Logprob} dicts as PDD's ``TokenLogprobs`` (chosen token, then top ids)."""
+def _logprobs(entries: Any, tokens: list[int], wanted: int) -> list[TokenLogprobs | None]:
+    """vLLM's per-position {token id: Logprob} dicts as PDD's ``TokenLogprobs``: the chosen token's, then the
+    ``wanted`` most likely (vLLM ranks them 1..wanted and adds the chosen token with its own rank)."""
     result: list[TokenLogprobs | None] = []
     for tok, position in zip(tokens, entries or []):
-        if not position:
+        if not position or tok not in position:
             result.append(None)
             continue
-        ranked = sorted(((lp.rank or 0, tid, lp.logprob) for tid, lp in position.items() if tid != tok or
-                         (lp.rank or 0) > 0), key=lambda r: r[0])
-        chosen = position.get(tok)
-        top = [(tid, lp) for rank, tid, lp in ranked if rank >= 1]
-        result.append(TokenLogprobs(logprob=float(chosen.logprob) if chosen else float("nan"),
-                                    top_ids=[int(t) for t, _ in top], top_logprobs=[float(v) for _, v in top]))
+        top = sorted((lp.rank, tid, lp.logprob) for tid, lp in position.items()
+                     if lp.rank is not None and 1 <= lp.rank <= wanted)
+        result.append(TokenLogprobs(logprob=float(position[tok].logprob), top_ids=[int(t) for _, t, _ in top],
+                                    top_logprobs=[float(v) for _, _, v in top]))
     return result
 
 

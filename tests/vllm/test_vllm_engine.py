@@ -198,3 +198,18 @@ def test_pdd_up_backend_vllm_writes_a_vllm_fleet(tmp_path):
 
     config = build_config(_args("--backend", "vllm"), "nats://127.0.0.1:4222", tmp_path, {})
     assert config["model"]["backend"] == "vllm"
+
+
+def test_logprobs_are_the_chosen_tokens_and_the_top_n(vllm_engine):
+    e = vllm_engine
+    e.add_request("lp", list(range(900, 940)), SamplingParams(logprobs=3, ignore_eos=True), max_new_tokens=4)
+    outs = []
+    while e.has_work():
+        outs.extend(o for o in e.step() if o.rid == "lp")
+    tokens = [t for o in outs for t in o.token_ids]
+    logprobs = [lp for o in outs for lp in o.logprobs]
+    assert len(tokens) == len(logprobs) == 4
+    for tok, lp in zip(tokens, logprobs):
+        assert len(lp.top_ids) == 3 and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert lp.top_ids[0] == tok and lp.logprob == lp.top_logprobs[0]  # greedy: the chosen token is the top one
+    _no_leak(e)
