@@ -5,7 +5,9 @@ depend on its batch mates. This measures it, with its own baseline in the same r
 
 - reference: one vLLM engine (in this process), the prompts one at a time;
 - baseline: the same engine, all prompts at once (one batch): vLLM's own batch variance;
-- each pipeline (P-MD, P-RLD-MD one-shot / catch-up, P-RLD) of a local vLLM fleet, all prompts at once.
+- each pipeline (P-MD, P-RLD-MD one-shot / catch-up, P-RLD) of a local vLLM fleet, all prompts at once;
+- ``--one-at-a-time``: the pipelines' requests one after another instead (no baseline then): what a handoff alone
+  does, as vLLM computes a handed-over token's KV in a prefill-with-prefix pass where one engine decoded it.
 
 Rules, the same for every setup: the same token-id prompts, greedy, ``ignore_eos``, ``max_tokens`` outputs; a
 request *agrees* when all its tokens equal the reference's; ``prefix_agreement`` is the share of output
@@ -25,6 +27,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="send each setup's requests one after another, not at once (what vLLM's numerics alone do "
+                         "to a handed-over request, without batching)")
     ap.add_argument("--run-dir", default=None, help="the fleet's logs (default: a temp dir, kept)")
     return ap.parse_args(argv)
 
@@ -70,8 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     report: dict = {"bench": "vllm_agreement", "dtype": args.dtype, "prompts": args.prompts,
                     "max_tokens": args.max_tokens, "rules": "same token-id prompts, greedy, ignore_eos; agree = every "
                     "token equals one vLLM engine's one-at-a-time run", "setups": {}}
-    report["setups"]["one_vllm_batched"] = agreement(run_engine(prompts))
-    print(f"one vLLM engine, all at once: {report['setups']['one_vllm_batched']}", flush=True)
+    report["one_at_a_time"] = args.one_at_a_time
+    if not args.one_at_a_time:
+        report["setups"]["one_vllm_batched"] = agreement(run_engine(prompts))
+        print(f"one vLLM engine, all at once: {report['setups']['one_vllm_batched']}", flush=True)
 
     config = {
         "model": {"backend": Backend.VLLM.value, "path": "default", "dtype": args.dtype, "kv_memory_mb": 256,
@@ -91,9 +98,14 @@ def main(argv: list[str] | None = None) -> None:
         pdd_opts = {"return_token_ids": True, "pipeline": pipeline.value, **({"handoff": handoff.value}
                                                                               if handoff else {})}
         async with httpx.AsyncClient(timeout=600) as client:
-            replies = await asyncio.gather(*(client.post(base_url + "/v1/completions", json={
-                "prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "pdd": pdd_opts})
-                for p in prompts))
+            def post(prompt: list[int]):
+                return client.post(base_url + "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "pdd": pdd_opts})
+            if args.one_at_a_time:
+                replies = [await post(p) for p in prompts]
+            else:
+                replies = await asyncio.gather(*(post(p) for p in prompts))
         for r in replies:
             r.raise_for_status()
         return [r.json()["pdd"] for r in replies]
@@ -105,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             infos = asyncio.run(send_all(cluster.base_url, pipeline, handoff))
             report["setups"][name] = {**agreement([info["token_ids"] for info in infos]),
                                       "handed_over": sum(bool(info.get("handoff_mode")) for info in infos)}
-            print(f"{name}, all at once: {report['setups'][name]}", flush=True)
+            how = "one at a time" if args.one_at_a_time else "all at once"
+            print(f"{name}, {how}: {report['setups'][name]}", flush=True)
     report["run_dir"] = str(run_dir)
     print(json.dumps(report))
 

@@ -213,3 +213,20 @@ def test_logprobs_are_the_chosen_tokens_and_the_top_n(vllm_engine):
         assert len(lp.top_ids) == 3 and lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
         assert lp.top_ids[0] == tok and lp.logprob == lp.top_logprobs[0]  # greedy: the chosen token is the top one
     _no_leak(e)
+
+
+def test_resume_with_known_outputs_continues_the_same_tokens(vllm_engine):
+    """Migration to another decoder (the router's resume): prompt + the outputs streamed so far are recomputed,
+    sampling continues exactly where the lost decoder was, here on an engine that caches (as MD does)."""
+    e = vllm_engine
+    prompt = list(range(3000, 3000 + 2 * e.block_size + 7))
+    e.add_request("whole", prompt, SamplingParams(ignore_eos=True), max_new_tokens=12)
+    whole = run_to_end(e, "whole")
+    e.cache_finished = True
+    try:
+        e.add_request("moved", prompt, SamplingParams(ignore_eos=True), max_new_tokens=12, known_outputs=whole[:5])
+        assert run_to_end(e, "moved") == whole[5:]
+        assert e.cached_prefix_len(prompt + whole) == (len(prompt) + 11) // e.block_size * e.block_size
+    finally:
+        e.cache_finished = False
+    _no_leak(e)

@@ -79,6 +79,10 @@ def test_every_engine_runs_vllm(vllm_cluster):
 
 
 @pytest.mark.parametrize("pipeline, handoff", CASES, ids=lambda c: str(getattr(c, "value", c)))
+@pytest.mark.xfail(DTYPE == "bfloat16", strict=False,
+                   reason="vLLM-CPU in bf16 computes a handed-over token's KV in a prefill-with-prefix pass where one "
+                          "engine decodes it, and the bits differ; bench/vllm_agreement.py --one-at-a-time measures "
+                          "how far the tokens agree (docs/BACKENDS.md)")
 def test_pipeline_matches_one_vllm_engine(vllm_cluster, reference, pipeline, handoff):
     """21 prompts (one of 1K tokens), one at a time: each pipeline's greedy tokens equal one vLLM engine's."""
     handed_over = 0
