@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +87,7 @@ class StagingBook:
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     block_size: int
-    grow: Any  # (plan, blocks_needed) -> bool: allocate staging blocks for a caching save (engine thread)
+    grow: Callable[[TransferPlan, int], bool]  # add staging blocks for a caching save (engine thread); False: none
     plans: dict[str, TransferPlan] = field(default_factory=dict)  # by PDD request id
 
 

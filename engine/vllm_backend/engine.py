@@ -85,7 +85,6 @@ class _Entry:
     req: Request
     plan: Any  # connector.TransferPlan
     vllm_id: str | None = None
-    emitted: int = 0  # outputs handed back by step (known outputs count as emitted)
     finish: str | None = None  # set when the request must finish at the next step without vLLM
     export_failed: str | None = None  # held for export, but its prompt's KV is not (all) in staging: why
 
@@ -244,7 +243,7 @@ class VllmEngine:
         if entry is None or need > self.pool.allocator.num_free:
             return False
         entry.req.block_table.extend(self.pool.allocator.allocate(need))  # the plan's table is this same list
-        return plan.staging_blocks is entry.req.block_table
+        return True
 
     def _free(self, entry: _Entry, insert: bool) -> None:
         """Drop the entry; its staging blocks go to the radix cache (``insert``: the tokens saved so far) or
@@ -276,13 +275,17 @@ class VllmEngine:
             raise EngineInputError(f"request {rid!r} already finished: its {len(known)} known outputs reach "
                                    f"max_new_tokens {max_new_tokens}")
         req = Request(rid, prompt_ids + known, len(prompt_ids), params, max_new_tokens, hold_kv=hold_kv)
-        plan = self._connector.TransferPlan(rid, req.block_table)
-        if hold_kv or (self.cache_finished and self.enable_prefix_cache):
+        caching = self.cache_finished and self.enable_prefix_cache
+        if hold_kv or caching:
             self._reserve(req, len(prompt_ids), use_cache=True)
-            plan.staging_blocks = req.block_table
-            plan.load_tokens = plan.saved_through = req.cached_tokens
-            plan.save_until = len(prompt_ids) if hold_kv else None
-        self.entries[rid] = _Entry(req, plan, emitted=len(known))
+        # P saves its prompt for export; a caching engine every full block; else nothing. The plan shares the
+        # request's staging block table (the same list: a caching save grows both)
+        save_until = len(prompt_ids) if hold_kv else (None if caching else 0)
+        plan = self._connector.TransferPlan(rid, req.block_table, saved_through=req.cached_tokens,
+                                            save_until=save_until)
+        # vLLM computes at least the last token itself (a whole prompt cached in staging is loaded but that one)
+        plan.load_tokens = min(req.cached_tokens, len(req.tokens) - 1)
+        self.entries[rid] = _Entry(req, plan)
 
     def prepare_import(self, rid: str, prompt_ids: list[int], use_cache: bool = True) -> ImportReservation:
         prompt_ids = list(prompt_ids)
@@ -312,7 +315,6 @@ class VllmEngine:
         req.params, req.max_new_tokens = params, max_new_tokens
         req.tokens.extend(int(t) for t in output_ids_so_far)
         req.status = Status.RUNNING
-        entry.emitted = len(output_ids_so_far)
         entry.plan.load_tokens = req.prompt_len  # the transfer filled the prompt's blocks
         entry.plan.saved_through = req.prompt_len // self.block_size * self.block_size  # saves are whole blocks
         caching = self.cache_finished and self.enable_prefix_cache  # MD: save full blocks as computed; RLD: none
@@ -345,7 +347,6 @@ class VllmEngine:
         if len(req.tokens) + len(token_ids) >= self.max_context:
             raise PromptTooLongError(f"request {rid!r} would pass the context limit {self.max_context}")
         req.tokens.extend(int(t) for t in token_ids)
-        entry.emitted = req.num_outputs
         entry.finish = self._known_finish(entry)
 
     def pause(self, rid: str) -> None:
@@ -360,7 +361,7 @@ class VllmEngine:
     def stop_at(self, rid: str, position: int) -> None:
         entry = self._get(rid)
         entry.req.stop_position = position
-        if entry.emitted >= position:
+        if entry.req.num_outputs >= position:
             entry.finish = "length"
 
     def abort(self, rid: str) -> None:
@@ -429,14 +430,13 @@ class VllmEngine:
             tokens = list(completion.token_ids)
             finished, reason = out.finished, completion.finish_reason
             stop = entry.req.stop_position
-            if stop is not None and entry.emitted + len(tokens) >= stop:
-                tokens = tokens[: max(0, stop - entry.emitted)]
+            start = entry.req.num_outputs
+            if stop is not None and start + len(tokens) >= stop:
+                tokens = tokens[: max(0, stop - start)]
                 finished, reason = True, "length"
             wanted = entry.req.params.logprobs
             logprobs = _logprobs(completion.logprobs, tokens, wanted) if wanted is not None else None
-            start = entry.emitted
             entry.req.tokens.extend(tokens)
-            entry.emitted += len(tokens)
             if finished:
                 if not out.finished:
                     self.vllm.abort_request([entry.vllm_id], internal=True)
@@ -449,7 +449,7 @@ class VllmEngine:
     def _finished(self, entry: _Entry, tokens: list[int], reason: str, start: int | None = None,
                   logprobs: list[TokenLogprobs | None] | None = None) -> StepOutput:
         req = entry.req
-        out = StepOutput(req.rid, tokens, entry.emitted - len(tokens) if start is None else start, True, reason,
+        out = StepOutput(req.rid, tokens, req.num_outputs - len(tokens) if start is None else start, True, reason,
                          logprobs)
         entry.finish = None
         if req.hold_kv:

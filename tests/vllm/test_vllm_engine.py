@@ -230,3 +230,25 @@ def test_resume_with_known_outputs_continues_the_same_tokens(vllm_engine):
     finally:
         e.cache_finished = False
     _no_leak(e)
+
+
+def test_a_prompt_whole_in_staging_is_loaded_but_its_last_token(vllm_engine):
+    """P again: a block-aligned prompt whose every block the staging cache holds, after vLLM's own cache
+    forgot it: vLLM is handed all but the last token (it must compute one), and the first token is the same."""
+    e = vllm_engine
+    e.cache_finished = True
+    try:
+        prompt = list(range(4000, 4000 + 2 * e.block_size))  # block aligned
+        e.add_request("first", prompt, SamplingParams(), max_new_tokens=1, hold_kv=True)
+        first = run_to_end(e, "first")
+        e.release("first")
+        assert e.cached_prefix_len(prompt) == len(prompt)
+        assert e.vllm.reset_prefix_cache()  # vLLM's own copy gone: only staging holds the prompt
+        e.add_request("again", prompt, SamplingParams(), max_new_tokens=1, hold_kv=True)
+        assert e.entries["again"].plan.load_tokens == len(prompt) - 1
+        assert run_to_end(e, "again") == first
+        e.request_blocks("again")  # exportable: nothing failed
+        e.release("again")
+    finally:
+        e.cache_finished = False
+    _no_leak(e)
