@@ -28,8 +28,8 @@ LOCK=requirements-vllm.lock
 HF_DIR=${PDD_CACHE_DIR:-$HOME/.cache/pdd}/hf/SmolLM2-135M-Instruct
 say() { echo "[install_vllm] $*"; }
 
-# -P: the repo root (cwd) is not put on sys.path, so its kernels/, engine/, bench/ shadow nothing.
-VPY="$VENV/bin/python -P"
+
+VPY="$VENV/bin/python"
 
 "$PY" -c 'import platform, sys
 sys.exit(0 if sys.version_info[:2] == (3, 11) and sys.platform == "linux" and platform.machine() == "x86_64"
@@ -129,5 +129,5 @@ os.replace(tmp, out)
 print(f"[install_vllm]     saved {sorted(os.listdir(out))}")
 EOF
 fi
-say "done: PDD with model.backend: vllm runs from $VENV/bin/pdd (tests: $VENV/bin/python -P -m pytest);"
-say "      the peer baseline: $VENV/bin/python bench/vllm_peer.py --model $HF_DIR --dtype float32 --threads 2 --spec SPEC.json"
+say "done: PDD with model.backend: vllm runs from $VENV/bin/pdd (tests: $VENV/bin/python -m pytest);"
+say "      the peer baseline: $VENV/bin/python -m pdd.bench.vllm_peer --model $HF_DIR --dtype float32 --threads 2 --spec SPEC.json"

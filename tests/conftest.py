@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from pdd.services.launch.natsserver import start_nats_server
+from pdd.launch.natsserver import start_nats_server
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -36,6 +36,6 @@ def nats_url(nats_server) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny seeded Llama checkpoint (real HF folder + tokenizer) for services under test."""
-    from pdd.engine.tiny import build_tiny_checkpoint
+    from pdd.engine.torch_backend.tiny import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model", seed=0, max_position_embeddings=1024)

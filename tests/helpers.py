@@ -27,7 +27,7 @@ class ServiceProcess:
         child_env = dict(os.environ)
         child_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd.services.launch.cli", "serve", role, "--config", str(config),
+            [sys.executable, "-m", "pdd.launch.cli", "serve", role, "--config", str(config),
              "--instance-id", instance_id],
             stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=child_env, start_new_session=True,
         )

@@ -43,21 +43,15 @@ save_state() {
         "$WAN_RATE" "$WAN_DELAY" "$WAN_JITTER" "$WAN_LOSS" "$WAN_MODE" > "$STATE/shape.env"
 }
 
-# The project's tc-style unit parser (pdd/transports/units.py), loaded by file: importing it as
-# pdd.transports.units runs the package's __init__, which loads torch (a minute on a busy host).
+# The project's tc-style unit parser (pdd.transports.units; the package loads nothing heavy before it is used)
 #   units EXPR ARGS...   EXPR sees rate_bits, seconds, fraction and argv (the ARGS); prints its value
 units() {
     python - "$@" <<'EOF'
-import importlib.util
-import pathlib
 import sys
 
-package = importlib.util.find_spec("pdd.transports")  # imports `pdd`, not `pdd.transports`
-spec = importlib.util.spec_from_file_location("units", pathlib.Path(package.submodule_search_locations[0]) / "units.py")
-units = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(units)
-value = eval(sys.argv[1], {"argv": sys.argv[2:], "rate_bits": units.rate_bits, "seconds": units.seconds,
-                           "fraction": units.fraction})
+from pdd.transports.units import fraction, rate_bits, seconds
+
+value = eval(sys.argv[1], {"argv": sys.argv[2:], "rate_bits": rate_bits, "seconds": seconds, "fraction": fraction})
 print(*value) if isinstance(value, tuple) else print(value)
 EOF
 }

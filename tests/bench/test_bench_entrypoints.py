@@ -1,6 +1,6 @@
-"""Every benchmark starts both ways, from the repo root and from elsewhere: `python bench/NAME.py --help`
-and `python -m pdd.bench.NAME --help` exit 0 with a usage text (and run nothing: --help parses the
-arguments before any heavy import or work)."""
+"""Every benchmark starts the one documented way, from the repo root and from elsewhere:
+`python -m pdd.bench.NAME --help` exits 0 with a usage text (and runs nothing: --help parses the arguments
+before any heavy import or work)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHES = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+BENCHES = sorted(p.stem for p in (ROOT / "src" / "pdd" / "bench").glob("*.py") if p.stem != "__init__")
 
 
 def _help(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -22,14 +22,11 @@ def _help(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_every_bench_is_listed():
     assert {"pipelines", "chaos", "soak", "calibration_holdout"} <= set(BENCHES)
-    assert not (ROOT / "bench" / "pdd.py").exists()  # would shadow the pdd package for bench/NAME.py
 
 
 @pytest.mark.parametrize("name", BENCHES)
-def test_help_both_ways_from_anywhere(name, tmp_path):
-    runs = {(form, where): (argv, cwd)
-            for form, argv in (("script", [str(ROOT / "bench" / f"{name}.py")]), ("module", ["-m", f"pdd.bench.{name}"]))
-            for where, cwd in (("root", ROOT), ("elsewhere", tmp_path))}
+def test_help_from_anywhere(name, tmp_path):
+    runs = {where: (["-m", f"pdd.bench.{name}"], cwd) for where, cwd in (("root", ROOT), ("elsewhere", tmp_path))}
     with ThreadPoolExecutor(len(runs)) as pool:
         done = dict(zip(runs, pool.map(lambda a: _help(*a), runs.values())))
     for key, proc in done.items():

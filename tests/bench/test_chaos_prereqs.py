@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from pdd.bench import chaos
-from pdd.services.launch.local_cluster import LocalCluster
-from pdd.services.launch.sites import LOCAL, NETNS
+from pdd.launch.local_cluster import LocalCluster
+from pdd.launch.sites import LOCAL, NETNS
 from pdd.shared.roles import Role
 
 ONE_BOX = [n for n in chaos.SCENARIOS if n not in chaos.SITE_SCENARIOS]

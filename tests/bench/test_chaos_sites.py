@@ -14,7 +14,7 @@ import os
 import pytest
 
 from pdd.bench import chaos
-from pdd.services.launch.sites import LOCAL, NETNS, SITE_A, SITE_B, TwoSites
+from pdd.launch.sites import LOCAL, NETNS, SITE_A, SITE_B, TwoSites
 
 ROOT_SKIP = None if os.geteuid() == 0 else "needs root (network namespaces, TUN devices, tc, nft)"
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_one_level_reports_rates_latency_and_cpu_per_token(tmp_path, tiny_model) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "control_plane.py"), "--model", str(tiny_model),
+    proc = subprocess.run([sys.executable, "-m", "pdd.bench.control_plane", "--model", str(tiny_model),
                            "--levels", "8x4", "--tokens", "60", "--run-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

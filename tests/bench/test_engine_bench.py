@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdd.engine.tiny import build_tiny_checkpoint
+from pdd.engine.torch_backend.tiny import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_reports_every_fraction(tmp_path):
     model = build_tiny_checkpoint(tmp_path / "llama", "llama", seed=7)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--quick", "--threads", "1",
+    proc = subprocess.run([sys.executable, "-m", "pdd.bench.engine", "--quick", "--threads", "1",
                            "--model", str(model)], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

@@ -81,7 +81,7 @@ def test_run_at_sends_a_turn_only_after_its_sessions_previous_one_ended(monkeypa
 @pytest.mark.timeout(240)
 def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "pipelines.py"), "--backend", "emulated", "--model", tiny_model,
+        [sys.executable, "-m", "pdd.bench.pipelines", "--backend", "emulated", "--model", tiny_model,
          "--scenario", scenario,
          "--output-tokens", "8", "--requests", "4", "--seeds", "1", "--rate", "4", "--goodput-requests", "4",
          "--goodput-steps", "1", "--run-dir", str(tmp_path / "run")],

@@ -120,7 +120,7 @@ def compose_project(tmp_path_factory) -> ComposeProject:
     reason = ensure_dockerd()
     if reason:
         pytest.skip(reason)
-    from pdd.engine.tiny import build_tiny_checkpoint
+    from pdd.engine.torch_backend.tiny import build_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("compose")
     # big enough that a 1,000-token prompt's KV (2 KB a token) outlasts the WAN shaper's burst

@@ -43,10 +43,10 @@ def system(compose_project: ComposeProject) -> ComposeProject:
 def reference(compose_project: ComposeProject):
     """One engine alone, in the dtypes the fleet announces on /v1/models: the containers resolve `dtype: auto`
     (bf16 on a CPU with avx512_bf16/amx_bf16, else fp32), and greedy comparisons are exact (issue #26)."""
-    from pdd.engine import Engine
+    from pdd.engine.torch_backend.engine import TorchEngine
 
     serving = client(compose_project).models.list().data[0].model_extra["pdd"]
-    return Engine.from_model(compose_project.model_dir, dtype=serving["dtype"], kv_dtype=serving["kv_dtype"],
+    return TorchEngine.from_model(compose_project.model_dir, dtype=serving["dtype"], kv_dtype=serving["kv_dtype"],
                              kv_memory_bytes=64 << 20, num_threads=1)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.services.launch.local_cluster import two_site_layout
-from pdd.services.launch.natsserver import free_port
+from pdd.launch.local_cluster import two_site_layout
+from pdd.launch.natsserver import free_port
 from pdd.transports import ucx_available
 from tests.helpers import ServiceProcess, write_config
 
@@ -132,16 +132,18 @@ def system(tmp_path_factory, nats_url, tiny_model):
 @pytest.fixture(scope="session")
 def reference(system):
     """One engine alone, in the dtypes the system serves in. Its config leaves model.dtype `auto`, which the dtype
-    probe resolves on this machine (engine/dtype_probe.py: measured once, cached for every engine; or as
+    probe resolves on this machine (engine/torch_backend/dtype_probe.py: measured once, cached for every engine; or as
     PDD_NATIVE_BF16 says): the reference resolves the same config in the same environment, and must agree with
     the dtypes the fleet announces.
     (Token-for-token comparisons between an fp32 reference and a bf16 fleet fail: issue #26.)"""
-    from pdd.engine import Engine
+    from pdd.engine.torch_backend.engine import TorchEngine
     from pdd.shared.config import load_config
 
-    model = load_config(system.config_path).model
-    engine = Engine.from_model(model.path, dtype=model.dtype, kv_dtype=model.kv_dtype,
-                               kv_memory_bytes=model.kv_memory_mb << 20, block_size=model.block_size, num_threads=1)
+    config = load_config(system.config_path)
+    model, settings = config.model, config.engine_settings()
+    engine = TorchEngine.from_model(model.path, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                                    kv_memory_bytes=settings.kv_memory_mb << 20, block_size=model.block_size,
+                                    num_threads=1)
     choice = engine.dtype_choice
     assert system.serving_dtypes() == {"dtype": choice.dtype, "kv_dtype": choice.kv_dtype}, choice.reason
     return engine
@@ -151,7 +153,7 @@ def reference(system):
 def emulated_system(tmp_path_factory, tiny_model):
     """The same system on the emulated backend (model.backend: emulated, the small profile), on its own
     nats-server: its instances have the torch system's ids (p-0, md-0, ...) and both may run at once."""
-    from pdd.services.launch.natsserver import start_nats_server
+    from pdd.launch.natsserver import start_nats_server
 
     nats = start_nats_server()
     try:
@@ -168,17 +170,9 @@ def emulated_system(tmp_path_factory, tiny_model):
 def emulated_reference(emulated_system):
     """One emulated engine alone, built from the system's own config as the services build theirs."""
     from pdd.engine.interface import load_engine
-    from pdd.services import emulation
     from pdd.shared.config import load_config
-    from pdd.shared.tokenizer import load_tokenizer
 
-    config = load_config(emulated_system.config_path)
-    m = config.model
-    prof = emulation.profile(config.emulation, "main-decode")
-    kwargs = emulation.engine_kwargs(config.emulation, prof, load_tokenizer(m.path), block_size=m.block_size,
-                                     max_num_seqs=64, max_prefill_tokens=m.max_prefill_tokens,
-                                     prefill_chunk_tokens=512, enable_prefix_cache=True, cache_finished=True)
-    return load_engine("emulated", **kwargs)
+    return load_engine(load_config(emulated_system.config_path), "main-decode", True)
 
 
 @pytest.fixture(params=["torch", "emulated"])

@@ -22,7 +22,7 @@ import pytest
 
 from pdd.loadgen.client import Stream, stream
 from pdd.loadgen.scrape import samples_of, scrape_sync
-from pdd.services.launch.local_cluster import LocalCluster, http_json, two_site_layout
+from pdd.launch.local_cluster import LocalCluster, http_json, two_site_layout
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.roles import Role
 from tests.e2e.conftest import EMULATION

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import yaml
 
-from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.pipelines import ROUTABLE, HandoffMode, spec
 from pdd.shared.protocol import Announce, Subjects
 from pdd.shared.roles import Role
@@ -64,9 +64,9 @@ def bf16_cluster(tmp_path_factory, tiny_model):
 
 @pytest.fixture(scope="module")
 def bf16_reference(tiny_model):
-    from pdd.engine import Engine
+    from pdd.engine.torch_backend.engine import TorchEngine
 
-    return Engine.from_model(tiny_model, dtype="bfloat16", kv_memory_bytes=8 << 20, num_threads=1)
+    return TorchEngine.from_model(tiny_model, dtype="bfloat16", kv_memory_bytes=8 << 20, num_threads=1)
 
 
 def _body(prompt, pipeline, handoff=None, **extra) -> dict:
@@ -113,7 +113,7 @@ def test_bf16_pipeline_matches_bf16_engine(bf16_cluster, bf16_reference, pipelin
 def test_bf16_pipelines_match_pdd_generate(bf16_cluster, tiny_model):
     """`pdd generate --dtype bfloat16` and every pipeline: the same greedy tokens."""
     prompt = "the quick brown fox jumps"
-    cli = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "generate", "--model", tiny_model,
+    cli = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "generate", "--model", tiny_model,
                           "--prompt", prompt, "--max-tokens", "48", "--dtype", "bfloat16", "--threads", "1", "--json"],
                          capture_output=True, text=True, timeout=300, check=False)
     assert cli.returncode == 0, cli.stderr

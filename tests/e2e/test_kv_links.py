@@ -17,7 +17,7 @@ from tests.e2e.test_pipelines import body_for, metric_value
 
 @pytest.fixture(scope="module")
 def one_site_system(tmp_path_factory, tiny_model):
-    from pdd.services.launch.natsserver import start_nats_server
+    from pdd.launch.natsserver import start_nats_server
 
     nats = start_nats_server()
     try:

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from pdd.services.launch.local_cluster import LocalCluster, http_json, two_site_layout
+from pdd.launch.local_cluster import LocalCluster, http_json, two_site_layout
 
 pytestmark = pytest.mark.slow  # a full system start plus a 40 s deadline: well over 30 s on 2 cores
 

@@ -12,7 +12,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from pdd.services.launch.natsserver import free_port
+from pdd.launch.natsserver import free_port
 from tests.e2e.test_pipelines import body_for, wait_for_spans
 
 STAGES = {"prefill", "kv.transfer.fast", "kv.transfer.wan", "relay.decode", "handoff.batch", "extend", "main.decode"}
@@ -56,7 +56,7 @@ def test_p_rld_md_span_tree_and_pdd_trace(system, tmp_path):
     batches = [s for s in tree if s["name"] == "handoff.batch"]
     assert batches[-1]["attributes"]["final"] is True
     out = tmp_path / "timeline"
-    res = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "trace", str(system.root / "spans.jsonl"),
+    res = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "trace", str(system.root / "spans.jsonl"),
                           "--request-id", rid, "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     html = next(out.glob("*.html")).read_text()

@@ -25,8 +25,8 @@ import httpx
 import nats
 import pytest
 
-from pdd.services.launch.natsserver import free_port
-from pdd.services.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites
+from pdd.launch.natsserver import free_port
+from pdd.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites
 from pdd.transports.wan_emulation import WanConfig
 
 ROOT_SKIP = None if os.geteuid() == 0 else "needs root (network namespaces, TUN devices, tc, nft)"
@@ -125,7 +125,7 @@ def test_pdd_up_sites_netns_serves_across_the_two_namespaces(tiny_model, tmp_pat
         pytest.skip("another `pdd up --sites netns` holds the namespaces pdd-site-a/pdd-site-b")
     port = free_port()
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "pdd.services.launch.cli", "up", "--sites", "netns", "--model",
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.launch.cli", "up", "--sites", "netns", "--model",
                              str(tiny_model), "--port", str(port), "--run-dir", str(run_dir), "--wan",
                              "rate=200mbit,delay=5ms", "--startup-timeout", "700"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -161,7 +161,7 @@ def test_sites_netns_without_root_is_refused_clearly(monkeypatch, tmp_path, caps
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(SitesError, match="needs root"):
         TwoSites(tmp_path, NETNS)
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

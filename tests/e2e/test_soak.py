@@ -17,7 +17,7 @@ import signal
 import pytest
 
 from pdd.bench import chaos, soak
-from pdd.services.launch.local_cluster import LocalCluster
+from pdd.launch.local_cluster import LocalCluster
 from pdd.shared.roles import Role
 
 

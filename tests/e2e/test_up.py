@@ -15,8 +15,8 @@ import time
 import pytest
 import yaml
 
-from pdd.services.launch.natsserver import free_port
-from pdd.services.launch.up import DEFAULT_WAN, add_arguments, build_config
+from pdd.launch.natsserver import free_port
+from pdd.launch.up import DEFAULT_WAN, add_arguments, build_config
 from pdd.shared.config import load_config
 
 NATS = "nats://127.0.0.1:4222"
@@ -92,7 +92,7 @@ def test_pdd_up_default_model_chat_then_sigterm(tmp_path):
 
     port = free_port()
     log = tmp_path / "up.log"
-    proc = subprocess.Popen([sys.executable, "-m", "pdd.services.launch.cli", "up", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pdd.launch.cli", "up", "--port", str(port),
                              "--run-dir", str(tmp_path / "run"), "--wan", "rate=1gbit,delay=10ms"],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:

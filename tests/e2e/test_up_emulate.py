@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from pdd.services.launch.natsserver import free_port
-from pdd.services.launch.up import build_config
+from pdd.launch.natsserver import free_port
+from pdd.launch.up import build_config
 from pdd.shared.config import load_config
 from pdd.transports.units import rate_bits, seconds
 from tests.e2e.test_up import _args
@@ -60,7 +60,7 @@ def test_emulate_counts_and_wan_given_on_the_command_line_win(tmp_path) -> None:
 def test_emulate_small_answers_a_chat_request(tmp_path, tiny_model) -> None:
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdd.services.launch.cli", "up", "--emulate", "small", "--model", str(tiny_model),
+        [sys.executable, "-m", "pdd.launch.cli", "up", "--emulate", "small", "--model", str(tiny_model),
          "--port", str(free_port()), "--run-dir", str(run), "--ask", "hello", "--exit-after-ask",
          "--ask-timeout", "120"], capture_output=True, text=True, timeout=280)
     out = proc.stdout + proc.stderr

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from pdd._bare_names import checkout_root
-from pdd.services.launch.natsserver import free_port
+from pdd.launch.natsserver import free_port
 from tests.e2e.test_up import alive
 from tests.e2e.test_up_supervise import _base_config, _wait_for
-from tests.foundation.test_bare_names import make_stand_ins
+from tests.foundation.test_no_shadowing import ROOT, make_stand_ins
 
-ROOT = checkout_root() or Path.cwd()
-UP = [sys.executable, "-m", "pdd.services.launch.cli", "up"]
+UP = [sys.executable, "-m", "pdd.launch.cli", "up"]
 
 
 def _up_argv(tmp_path: Path, model: str, *extra: str) -> list[str]:

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdd.services.launch.natsserver import free_port
-from pdd.services.launch.readiness import router_ready
+from pdd.launch.natsserver import free_port
+from pdd.launch.readiness import router_ready
 from pdd.transports import ucx_available
 from tests.e2e.test_up import alive
 
@@ -76,7 +76,7 @@ def test_pdd_up_restarts_a_killed_decoder_and_requires_its_api_key(tmp_path, tin
     log = tmp_path / "up.log"
     with open(log, "wb") as out:  # the child holds its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdd.services.launch.cli", "up", "--model", str(tiny_model),
+            [sys.executable, "-m", "pdd.launch.cli", "up", "--model", str(tiny_model),
              "--config", str(_base_config(tmp_path / "base.yaml", str(tiny_model))), "--port", str(port),
              "--run-dir", str(run_dir), "--wan", "none", "--api-key", KEY],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -155,7 +155,7 @@ def test_pdd_up_refuses_a_taken_port(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         run_dir = tmp_path / "run"
-        done = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "up", "--port", str(port),
+        done = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "up", "--port", str(port),
                                "--run-dir", str(run_dir)], check=False, capture_output=True, text=True,
                               timeout=120)
     assert done.returncode != 0, done.stdout + done.stderr
@@ -203,7 +203,7 @@ def test_readiness_does_not_take_a_foreign_server_for_its_router(tmp_path):
 def test_api_key_from_the_flag_and_from_the_environment(tmp_path, monkeypatch):
     import argparse
 
-    from pdd.services.launch.up import add_arguments, build_config
+    from pdd.launch.up import add_arguments, build_config
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

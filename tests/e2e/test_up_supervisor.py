@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from pdd.services.launch.natsserver import free_port, start_nats_server
-from pdd.services.launch.supervisor import CRASH_LOOP_EXITS, CrashLoop, Supervisor
+from pdd.launch.natsserver import free_port, start_nats_server
+from pdd.launch.supervisor import CRASH_LOOP_EXITS, CrashLoop, Supervisor
 
 
 def _poll_until(supervisor: Supervisor, predicate, what: str, timeout: float = 60.0) -> None:

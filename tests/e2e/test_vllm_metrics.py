@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from pdd.loadgen.scrape import parse, samples_of
-from pdd.services.launch.natsserver import free_port
+from pdd.launch.natsserver import free_port
 from tests.e2e.test_observability import prometheus_binary
 from tests.helpers import ServiceProcess, write_config
 
@@ -164,7 +164,7 @@ def renamed_router(system, tmp_path):
 def test_pdd_bench_without_model_against_a_renamed_router(renamed_router, tmp_path):
     out = tmp_path / "result.json"
     res = subprocess.run(
-        [sys.executable, "-m", "pdd.services.launch.cli", "bench", "--base-url", renamed_router,
+        [sys.executable, "-m", "pdd.launch.cli", "bench", "--base-url", renamed_router,
          "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "12", "--random-output-len", "5",
          "--max-concurrency", "2", "--goodput", "ttft:600000", "tpot:600000", "--save-result",
          "--result-filename", str(out), "--disable-tqdm"],

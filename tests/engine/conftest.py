@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.engine import Engine
-from pdd.engine.tiny import build_tiny_checkpoint
+from pdd.engine.torch_backend.engine import TorchEngine
+from pdd.engine.torch_backend.tiny import build_tiny_checkpoint
 
 torch.set_num_threads(2)
 
@@ -29,15 +29,15 @@ def hf_models(tiny_paths):
     return {a: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval() for a, p in tiny_paths.items()}
 
 
-def make_engine(path: str, **kw) -> Engine:
+def make_engine(path: str, **kw) -> TorchEngine:
     kw.setdefault("num_blocks", 128)
     kw.setdefault("block_size", 4)
     kw.setdefault("max_num_seqs", 16)
     kw.setdefault("max_prefill_tokens", 256)
-    return Engine.from_model(path, **kw)
+    return TorchEngine.from_model(path, **kw)
 
 
-def run_all(engine: Engine) -> dict[str, list[int]]:
+def run_all(engine: TorchEngine) -> dict[str, list[int]]:
     """Step until idle; collect each request's emitted tokens (checking positions are contiguous)."""
     out: dict[str, list[int]] = {}
     guard = 0

@@ -10,13 +10,13 @@ import pytest
 from pdd.engine import (
     DuplicateRequestError,
     EmptyPromptError,
-    Engine,
     InvalidSamplingParamsError,
     PromptTooLongError,
     SamplingParams,
     UnknownRequestError,
     UnsupportedArchitectureError,
 )
+from pdd.engine.torch_backend.engine import TorchEngine
 
 from .conftest import make_engine
 
@@ -79,9 +79,9 @@ def test_unknown_architecture(llama_path, tmp_path):
     cfg["model_type"] = "gpt2"
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="gpt2"):
-        Engine.from_model(str(bad), num_blocks=8)
+        TorchEngine.from_model(str(bad), num_blocks=8)
 
 
 def test_missing_model_path(tmp_path):
     with pytest.raises(FileNotFoundError):
-        Engine.from_model(str(tmp_path / "nothing"), num_blocks=8)
+        TorchEngine.from_model(str(tmp_path / "nothing"), num_blocks=8)

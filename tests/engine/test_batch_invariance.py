@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.engine import Engine, SamplingParams
-from pdd.engine.cpu_features import bf16_support
+from pdd.engine import SamplingParams
+from pdd.engine.torch_backend.engine import TorchEngine
+from pdd.engine.core.dtypes import bf16_support
 
 from .conftest import run_all
 
@@ -23,14 +24,14 @@ _SLOW_BF16 = [] if bf16_support()[0] else [pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=_SLOW_BF16)])
-def engine(request) -> Engine:
+def engine(request) -> TorchEngine:
     from pdd.shared.model_files import default_model_path
 
     try:
         default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    return Engine.from_model("default", dtype=request.param, kv_memory_bytes=256 << 20,
+    return TorchEngine.from_model("default", dtype=request.param, kv_memory_bytes=256 << 20,
                              max_num_seqs=64, enable_prefix_cache=False)
 
 
@@ -51,7 +52,7 @@ def alone(engine, texts) -> list[int]:
     return run_all(engine)["alone"]
 
 
-def _step_until_first(engine: Engine, rid: str) -> list[int]:
+def _step_until_first(engine: TorchEngine, rid: str) -> list[int]:
     while True:
         toks = [t for o in engine.step() if o.rid == rid for t in o.token_ids]
         if toks:
@@ -90,7 +91,7 @@ def test_extend_known_after_k_tokens(engine, texts, alone, k):
 def test_imported_kv_continues_identically(engine, texts, alone, known):
     """P prefills and exports; a second engine (as RLD/MD) imports the blocks and continues after the
     first token, or after the first token plus `known` relay tokens (the main decoder's catch-up)."""
-    decoder = Engine(engine.model, engine.tokenizer, num_blocks=64, enable_prefix_cache=False)
+    decoder = TorchEngine(engine.model, engine.tokenizer, num_blocks=64, enable_prefix_cache=False)
     prompt = texts[0]
     engine.add_request("x", prompt, GREEDY, max_new_tokens=1, hold_kv=True)
     first = run_all(engine)["x"]

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from pdd.services.launch.cli import main
+from pdd.launch.cli import main
 
 
 def test_generate_json(llama_path, capsys):
@@ -28,14 +28,15 @@ def test_generate_chat_text_and_bad_input(llama_path, capsys):
 
 def test_generate_sampling_flags_reach_the_engine(llama_path, capsys):
     """The penalties and ignore_eos given on the command line draw exactly what the engine draws with them."""
-    from pdd.engine import Engine, SamplingParams
+    from pdd.engine import SamplingParams
+    from pdd.engine.torch_backend.engine import TorchEngine
 
     flags = ["--max-tokens", "12", "--ignore-eos", "--repetition-penalty", "1.8", "--frequency-penalty", "0.7",
              "--presence-penalty", "0.4", "--min-p", "0.05", "--temperature", "0.9", "--seed", "3",
              "--dtype", "float32"]
     assert main(["generate", "--model", llama_path, "--prompt", "Hello world", "--json", *flags]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    engine = Engine.from_model(llama_path, dtype="float32", kv_memory_bytes=16 << 20)  # as --dtype above
+    engine = TorchEngine.from_model(llama_path, dtype="float32", kv_memory_bytes=16 << 20)  # as --dtype above
     params = SamplingParams(temperature=0.9, seed=3, ignore_eos=True, repetition_penalty=1.8, frequency_penalty=0.7,
                             presence_penalty=0.4, min_p=0.05)
     engine.add_request("r", got["prompt_token_ids"], params, max_new_tokens=12)
@@ -53,7 +54,8 @@ def test_smollm2_gguf_matches_transformers():
     """3 prompts x 32 greedy tokens equal transformers' own GGUF loading of the same file."""
     from transformers import AutoModelForCausalLM
 
-    from pdd.engine import Engine, SamplingParams
+    from pdd.engine import SamplingParams
+    from pdd.engine.torch_backend.engine import TorchEngine
     from pdd.shared.model_files import default_model_path
     from pdd.shared.tokenizer import render_chat
 
@@ -61,7 +63,7 @@ def test_smollm2_gguf_matches_transformers():
         path = default_model_path()
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
-    engine = Engine.from_model(path, dtype="float32", kv_memory_bytes=32 * 1024 * 1024)  # as transformers below
+    engine = TorchEngine.from_model(path, dtype="float32", kv_memory_bytes=32 * 1024 * 1024)  # as transformers below
     tok = engine.tokenizer
     prompts = [
         render_chat(tok, "What is the capital of France?"),

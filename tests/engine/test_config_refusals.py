@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from pdd.engine import Engine
-from pdd.engine.config import config_from_gguf, config_from_hf
-from pdd.engine.errors import EngineInputError, UnsupportedArchitectureError
+from pdd.engine.torch_backend.engine import TorchEngine
+from pdd.engine.torch_backend.config import config_from_gguf, config_from_hf
+from pdd.engine.core.errors import EngineInputError, UnsupportedArchitectureError
 
 
 def _hf(**overrides) -> dict:
@@ -89,14 +89,14 @@ def test_gguf_linear_rope_and_dense_still_load():
 
 
 def test_engine_refuses_a_sliding_window_checkpoint_at_load(llama_path, tmp_path):
-    """End to end: the refusal reaches Engine.from_model before any weight is used."""
+    """End to end: the refusal reaches TorchEngine.from_model before any weight is used."""
     bad = tmp_path / "swa"
     shutil.copytree(llama_path, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg.update(model_type="mistral", sliding_window=64)
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="sliding_window=64"):
-        Engine.from_model(str(bad), num_blocks=8)
+        TorchEngine.from_model(str(bad), num_blocks=8)
 
 
 def test_gguf_tensor_the_engine_does_not_compute_is_refused(tmp_path):
@@ -104,7 +104,7 @@ def test_gguf_tensor_the_engine_does_not_compute_is_refused(tmp_path):
     import gguf
     import numpy as np
 
-    from pdd.engine.loader import load_gguf
+    from pdd.engine.torch_backend.loader import load_gguf
 
     path = str(tmp_path / "extra.gguf")
     writer = gguf.GGUFWriter(path, "llama")
@@ -124,7 +124,7 @@ def test_gguf_tensor_the_engine_does_not_compute_is_refused(tmp_path):
 
 def test_the_config_alone_is_the_config_the_weights_come_with(llama_path):
     """load_model_config (the launcher's dtype probe reads it) agrees with load_checkpoint, folder and GGUF."""
-    from pdd.engine.loader import load_checkpoint, load_model_config
+    from pdd.engine.torch_backend.loader import load_checkpoint, load_model_config
 
     for path in (llama_path, "default"):
         assert load_model_config(path) == load_checkpoint(path)[0]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.engine import Engine, SamplingParams
+from pdd.engine import SamplingParams
+from pdd.engine.torch_backend.engine import TorchEngine
 from pdd.kernels import native
 
 from .conftest import make_engine
@@ -18,7 +19,7 @@ GREEDY = SamplingParams(ignore_eos=True)
 PROMPTS = [[(11 * i + 3 * j) % 250 + 3 for j in range(5 + 13 * i)] for i in range(3)]  # 5, 18, 31 tokens
 
 
-def _decode(engine: Engine) -> tuple[dict[str, list[torch.Tensor]], int]:
+def _decode(engine: TorchEngine) -> tuple[dict[str, list[torch.Tensor]], int]:
     """Each request's logits per output position, and how many passes took the one-call route."""
     fused = engine.model.decoder_layers
     calls = 0

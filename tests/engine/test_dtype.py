@@ -1,4 +1,4 @@
-"""Serving dtype: `auto` by the dtype probe's measurement (engine/dtype_probe.py: the choice, its cache, the real
+"""Serving dtype: `auto` by the dtype probe's measurement (engine/torch_backend/dtype_probe.py: the choice, its cache, the real
 timing), from the CPU's bf16 flags (injected /proc/cpuinfo text) where there is nothing to measure, or as
 PDD_NATIVE_BF16 says; the KV dtype option, and a bfloat16 engine end to end (this machine may lack native bf16;
 torch still computes it)."""
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pdd.engine import SamplingParams, dtype_probe
-from pdd.engine.cpu_features import NATIVE_BF16_ENV, bf16_support, cpu_flags, resolve_dtypes
+from pdd.engine import SamplingParams
+from pdd.engine.torch_backend import dtype_probe
+from pdd.engine.core.dtypes import NATIVE_BF16_ENV, bf16_support, cpu_flags, resolve_dtypes
 from pdd.kernels import activation_dtype
 
 from .conftest import make_engine, run_all

@@ -1,4 +1,4 @@
-"""The emulated backend (engine/emulated.py): the EngineBackend contract, handoff-exact oracle tokens, the real
+"""The emulated backend (engine/emulated_backend/engine.py): the EngineBackend contract, handoff-exact oracle tokens, the real
 KV pool and radix cache (prefix hits, freeing, export/import of real bytes) and cost-model pacing."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from pdd.engine.emulated import EmulatedEngine, TokenOracle
-from pdd.engine.errors import EngineInputError, UnknownRequestError
-from pdd.engine.interface import BACKENDS, EngineBackend, load_engine
-from pdd.engine.sampling import SamplingParams
+from pdd.engine.emulated_backend.engine import EmulatedEngine, TokenOracle
+from pdd.engine.core.errors import EngineInputError, UnknownRequestError
+from pdd.engine.interface import EngineBackend, load_engine
+from pdd.shared.config import PDDConfig
+from pdd.engine.core.sampling_params import SamplingParams
 from pdd.shared.cost_model import Chip, CostModel, ModelSpec
 
 from .test_engine_interface import assert_conforms
@@ -59,11 +60,12 @@ def test_satisfies_the_protocol() -> None:
         assert key in engine.stats(), key
 
 
-def test_load_engine_builds_it() -> None:
-    assert "emulated" in BACKENDS
-    eng = load_engine("emulated", cost_model=FREE, num_blocks=8, block_size=4, time_dilation=0.5)
+def test_load_engine_builds_it(tiny_model) -> None:
+    config = PDDConfig(model={"backend": "emulated", "path": tiny_model, "block_size": 4},
+                       emulation={"scenario": "small", "time_dilation": 0.5})
+    eng = load_engine(config, "main-decode", True)
     assert isinstance(eng, EmulatedEngine) and isinstance(eng, EngineBackend)
-    assert eng.num_total_blocks() == 8 and eng.time_dilation == 0.5
+    assert eng.block_size == 4 and eng.time_dilation == 0.5
 
 
 def test_bad_input_is_refused_like_the_torch_engine() -> None:
@@ -273,7 +275,7 @@ def test_a_chunked_prefill_is_timed_as_one_prefill() -> None:
 
 
 class _Clock:
-    """Stands in for ``time`` in engine/emulated.py: perf_counter reads it, sleep advances it."""
+    """Stands in for ``time`` in engine/emulated_backend/engine.py: perf_counter reads it, sleep advances it."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -289,7 +291,7 @@ def test_back_to_back_steps_pay_host_work_out_of_their_budget(monkeypatch) -> No
     """A busy engine's steps follow each other on the modeled timeline: the host's work between two steps
     (outputs to the event loop, publishing, the next call) is absorbed, not added to every step; after an
     idle spell (or an overrun) a step's budget starts when it starts."""
-    import pdd.engine.emulated as emulated
+    import pdd.engine.emulated_backend.engine as emulated
 
     clock = _Clock()
     monkeypatch.setattr(emulated, "time", clock)
@@ -315,7 +317,7 @@ def test_the_first_step_after_idle_starts_when_its_request_arrived(monkeypatch) 
     """The host's admission work (the prefix match of a long prompt, the hop onto the engine thread) is inside
     the cost model's fixed prefill cost: an idle engine's prefill ends its modeled time after the request
     arrived, not after the step was called."""
-    import pdd.engine.emulated as emulated
+    import pdd.engine.emulated_backend.engine as emulated
 
     clock = _Clock()
     monkeypatch.setattr(emulated, "time", clock)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from pdd.services.engine_runner import EngineRunner
+from pdd.roles.engine_runner import EngineRunner
 
 
 async def test_queued_call_runs_although_its_caller_is_cancelled() -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdd.engine import Engine, SamplingParams
+from pdd.engine import SamplingParams
+from pdd.engine.torch_backend.engine import TorchEngine
 
 from .conftest import make_engine
 
@@ -21,13 +22,13 @@ N = 24  # output positions compared
 PROMPT = [(13 * i + 5) % 200 + 3 for i in range(37)]  # 37 tokens: blocks of 4 end mid-block
 
 
-def _logits(engine: Engine, rid: str) -> list[torch.Tensor]:
+def _logits(engine: TorchEngine, rid: str) -> list[torch.Tensor]:
     while engine.has_work():
         engine.step()
     return engine.captured_logits.pop(rid)
 
 
-def _alone(engine: Engine) -> tuple[list[int], list[torch.Tensor]]:
+def _alone(engine: TorchEngine) -> tuple[list[int], list[torch.Tensor]]:
     engine.add_request("alone", PROMPT, GREEDY, max_new_tokens=N)
     engine.capture_logits = True
     logits = _logits(engine, "alone")
@@ -41,7 +42,7 @@ def _assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 
 
 @pytest.fixture(params=["float32", "bfloat16"])
-def engine(request, llama_path) -> Engine:
+def engine(request, llama_path) -> TorchEngine:
     # no prefix cache: a prompt resumed from cached blocks is extended, not prefilled (docs/ENGINE.md)
     return make_engine(llama_path, dtype=request.param, num_blocks=256, enable_prefix_cache=False)
 
@@ -73,7 +74,7 @@ def test_extend_then_decode_is_bitwise_equal_to_decode(engine, k):
 def test_imported_kv_extended_is_bitwise_equal(engine):
     """A second engine (as main decode) imports the prompt KV and extends 5 known tokens (the relay's)."""
     tokens, want = _alone(engine)
-    decoder = Engine(engine.model, engine.tokenizer, num_blocks=64, block_size=4, enable_prefix_cache=False)
+    decoder = TorchEngine(engine.model, engine.tokenizer, num_blocks=64, block_size=4, enable_prefix_cache=False)
     engine.add_request("x", PROMPT, GREEDY, max_new_tokens=1, hold_kv=True)
     while engine.has_work():
         engine.step()

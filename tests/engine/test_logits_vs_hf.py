@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from pdd.engine import Engine, SamplingParams
+from pdd.engine import SamplingParams
+from pdd.engine.torch_backend.engine import TorchEngine
 from pdd.kernels import build_attention_metadata
 
 from .conftest import make_engine, run_all
@@ -120,7 +121,7 @@ def _prompt_logits(engine, ids: list[int], chunk: int = 512) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(SMOL_PROMPTS))
 def test_smollm2_fp32_logits_match_transformers(smollm2_hf, name):
     """Every prompt position (chunked prefill) and 16 decode steps, within SMOL_FP32_TOL."""
-    engine = Engine.from_model("default", dtype="float32", kv_memory_bytes=128 << 20, enable_prefix_cache=False)
+    engine = TorchEngine.from_model("default", dtype="float32", kv_memory_bytes=128 << 20, enable_prefix_cache=False)
     ids = _smol_prompt(engine, name)
     prefill = _prompt_logits(engine, ids)
     engine.capture_logits = True
@@ -136,7 +137,7 @@ def test_smollm2_fp32_logits_match_transformers(smollm2_hf, name):
 @pytest.mark.slow  # ~40 s each with the transformers reference; on CPUs without native bf16 or our kernel, minutes
 @pytest.mark.parametrize("name", list(SMOL_PROMPTS))
 def test_smollm2_bf16_top1_agrees_with_transformers_fp32(smollm2_hf, name):
-    engine = Engine.from_model("default", dtype="bfloat16", kv_memory_bytes=128 << 20, enable_prefix_cache=False)
+    engine = TorchEngine.from_model("default", dtype="bfloat16", kv_memory_bytes=128 << 20, enable_prefix_cache=False)
     ids = _smol_prompt(engine, name)
     ours = _prompt_logits(engine, ids)
     ref = _hf_logits(smollm2_hf, ids)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from pdd.engine import SamplingParams
-from pdd.engine.kv_pool import BlockAllocator
-from pdd.engine.radix_cache import RadixCache
+from pdd.engine.core.kv_pool import BlockAllocator
+from pdd.engine.core.radix_cache import RadixCache
 from pdd.shared.block_hash import prefix_block_hashes
 
 from .conftest import make_engine

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdd.engine import SamplingParams
-from pdd.engine.tiny import build_tiny_checkpoint
+from pdd.engine.torch_backend.tiny import build_tiny_checkpoint
 
 from .conftest import make_engine, run_all
 

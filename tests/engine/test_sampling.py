@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pdd.engine import SamplingParams
-from pdd.engine.sampling import position_seed, sample_rows
+from pdd.engine.torch_backend.sampling import position_seed, sample_rows
 
 from .conftest import make_engine, run_all
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdd.engine import InvalidSamplingParamsError, SamplingParams
-from pdd.engine.sampling import sample_rows
+from pdd.engine.torch_backend.sampling import sample_rows
 
 from .conftest import make_engine, run_all
 

@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from pdd.services.launch.natsserver import free_port, start_nats_server
-from pdd.services.router.registry import Registry
+from pdd.launch.natsserver import free_port, start_nats_server
+from pdd.router.registry import Registry
 from pdd.shared.bus import Bus, BusError
 from pdd.shared.config import NatsConfig
 from pdd.shared.protocol import Announce, Ping, Pong, Subjects

@@ -53,11 +53,11 @@ def test_cli_config_check(tmp_path):
     good.write_text(GOOD)
     bad = tmp_path / "bad.yaml"
     bad.write_text(GOOD.replace("role: prefill", "role: prefil"))
-    ok = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "config", "check", str(good)],
+    ok = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "config", "check", str(good)],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "OK" in ok.stdout
-    res = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "config", "check", str(bad)],
+    res = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "config", "check", str(bad)],
                          capture_output=True, text=True)
     assert res.returncode == 1
     assert "instances.1.role" in res.stderr and "prefil" in res.stderr

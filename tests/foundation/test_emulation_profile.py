@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.services import emulation
-from pdd.shared.config import ConfigError, EmulationConfig, load_config
+from pdd.engine.emulated_backend import profile as emulation
+from pdd.engine.emulated_backend.settings import EmulationSettings
+from pdd.shared.config import ConfigError, load_config
 from pdd.shared.roles import Role
 
 
 def test_report_roles_run_on_the_scenarios_chips() -> None:
-    cfg = EmulationConfig(scenario="report", system="pdd")
+    cfg = EmulationSettings(scenario="report", system="pdd")
     p, rld, md = (emulation.profile(cfg, role) for role in (Role.PREFILL, Role.RELAY, Role.MAIN_DECODE))
     assert (p.chip, p.chips) == ("GPU-A (H800-class)", 8)
     assert (rld.chip, rld.chips) == ("GPU-A (H800-class)", 8)
@@ -25,7 +26,7 @@ def test_report_roles_run_on_the_scenarios_chips() -> None:
 
 
 def test_relay_without_its_own_chip_sits_on_the_prefill_chip() -> None:
-    naive = EmulationConfig(scenario="report", system="naive")  # roles: prefill A, decode B; no relay
+    naive = EmulationSettings(scenario="report", system="naive")  # roles: prefill A, decode B; no relay
     assert emulation.profile(naive, Role.RELAY).chip == "GPU-A (H800-class)"
 
 
@@ -39,13 +40,16 @@ def test_head_dim_rounds_to_the_nearest_granule_and_never_below_one() -> None:
                                                 ("system", "nope", "no system 'nope'")])
 def test_bad_scenario_or_system_is_a_config_error(field, value, says) -> None:
     with pytest.raises(ConfigError, match=says):
-        emulation.profile(EmulationConfig(**{field: value}), Role.PREFILL)
+        emulation.profile(EmulationSettings(**{field: value}), Role.PREFILL)
 
 
 def test_config_refuses_bad_emulation_values(tmp_path) -> None:
     path = tmp_path / "pdd.yaml"
-    path.write_text("model: {backend: gpu}\nemulation: {kv_scale: 0.5, time_dilation: 0}\n")
+    path.write_text("model: {backend: gpu}\n")
+    with pytest.raises(ConfigError, match="model.backend: unknown engine backend 'gpu'"):
+        load_config(path, environ={})
+    path.write_text("model: {backend: emulated}\nemulation: {kv_scale: 0.5, time_dilation: 0}\n")
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     text = str(err.value)
-    assert "model.backend" in text and "emulation.kv_scale" in text and "emulation.time_dilation" in text
+    assert "emulation.kv_scale" in text and "emulation.time_dilation" in text

@@ -1,4 +1,4 @@
-from pdd.services.router.ownership import OwnershipTracker
+from pdd.router.ownership import OwnershipTracker
 
 
 def test_p_md_in_order_with_duplicates_dropped():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdd.services.router.openai_schema import PDDOptions
+from pdd.router.openai_schema import PDDOptions
 from pdd.shared.config import ConfigError, load_config
 from pdd.shared.pipelines import ROUTABLE, SPECS, Pipeline, routable, spec
 from pdd.shared.roles import Role

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.launch.local_cluster import LocalCluster, two_site_layout
 
 ROUTER = "router-0"
 ENGINES = ("p-0", "rld-0", "md-0")

@@ -76,7 +76,7 @@ async def server():
 
 
 async def _bench(argv: list[str]) -> int:
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     return await asyncio.to_thread(main, ["bench", *argv])  # the CLI runs its own event loop
 

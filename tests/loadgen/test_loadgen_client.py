@@ -152,7 +152,7 @@ def test_goodput_parse_errors():
 
 async def test_cli_end_to_end(server, tmp_path):
     """`pdd bench` through the real CLI dispatcher: JSON, per-request records, CDF plot."""
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     _, base = server
     out = tmp_path / "run.json"

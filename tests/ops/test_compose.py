@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdd.services.launch.cli import build_parser
-from pdd.services.launch.natsserver import nats_server_binary
+from pdd.launch.cli import build_parser
+from pdd.launch.natsserver import nats_server_binary
 from pdd.shared.config import load_config
 from pdd.shared.roles import Role
 
@@ -88,7 +88,7 @@ def test_every_mounted_config_passes_pdd_config_check(name: str) -> None:
     svc = SERVE[name]
     path = _config_of(svc)
     assert path.is_file(), path
-    result = subprocess.run([sys.executable, "-m", "pdd.services.launch.cli", "config", "check", str(path)],
+    result = subprocess.run([sys.executable, "-m", "pdd.launch.cli", "config", "check", str(path)],
                             capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
     assert result.returncode == 0, result.stderr
     config = load_config(path, environ={})
@@ -286,8 +286,8 @@ def test_emulate_report_env_runs_every_engine_emulated_behind_the_reports_wan(tm
     report` computes from the same scenario (not figures typed twice that could drift)."""
     import argparse
 
-    from pdd.services import emulation
-    from pdd.services.launch.up import add_arguments, build_config
+    from pdd.engine.emulated_backend import profile as emulation
+    from pdd.launch.up import add_arguments, build_config
     from pdd.transports.units import rate_bits, seconds
 
     env = _env_file(COMPOSE_DIR / "emulate-report.env")
@@ -299,7 +299,7 @@ def test_emulate_report_env_runs_every_engine_emulated_behind_the_reports_wan(tm
         assert config.model.backend == "emulated", name
         role = config.instance(_instance_id(svc)).role
         if role != Role.ROUTER:  # the router runs no engine
-            chips[role] = emulation.profile(config.emulation, role).chip
+            chips[role] = emulation.profile(config.engine_section(), role).chip
     assert chips == {Role.PREFILL: "GPU-A (H800-class)", Role.RELAY: "GPU-A (H800-class)",
                      Role.MAIN_DECODE: "GPU-B (H200-class)"}
     parser = argparse.ArgumentParser()

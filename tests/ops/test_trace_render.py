@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from pdd.services.launch.cli import main
-from pdd.services.traceview.cli import render_timeline
-from pdd.services.traceview.timeline import TraceError, build_timeline, load_spans, select_trace
+from pdd.launch.cli import main
+from pdd.traceview.cli import render_timeline
+from pdd.traceview.timeline import TraceError, build_timeline, load_spans, select_trace
 from pdd.shared.telemetry import JsonlSpanExporter
 
 STAGES = ["router.request", "prefill", "kv.transfer.fast", "kv.transfer.wan", "kv.receive", "relay.decode",
@@ -213,7 +213,7 @@ def test_png_legend_clear_of_title_and_axis_text(tmp_path: Path, request_id: str
     nor the plot area, and stays inside the figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from pdd.services.traceview.png import timeline_figure
+    from pdd.traceview.png import timeline_figure
 
     svc = _Services(tmp_path / "spans.jsonl")
     write(svc, request_id, 0.0)

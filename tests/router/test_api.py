@@ -19,10 +19,10 @@ import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdd.engine.tiny import build_tokenizer
-from pdd.services.router.api import create_app
-from pdd.services.router.detokenize import IncrementalDetokenizer
-from pdd.services.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.engine.torch_backend.tiny import build_tokenizer
+from pdd.router.api import create_app
+from pdd.router.detokenize import IncrementalDetokenizer
+from pdd.router.types import GenerationError, GenerationRequest, TokenEvent
 
 MODEL = "tiny-test"
 OUTPUT = "Hello world! How are you today? I am fine, thank you."

@@ -16,10 +16,10 @@ import httpx
 import pytest
 from structlog.testing import capture_logs
 
-from pdd.engine.tiny import CHAT_TEMPLATE, build_tokenizer
-from pdd.services.router import api as api_module
-from pdd.services.router.api import create_app
-from pdd.services.router.detokenize import IncrementalDetokenizer
+from pdd.engine.torch_backend.tiny import CHAT_TEMPLATE, build_tokenizer
+from pdd.router import api as api_module
+from pdd.router.api import create_app
+from pdd.router.detokenize import IncrementalDetokenizer
 from pdd.shared.tokenizer import render_messages
 from tests.router.test_api import MODEL, FakeBackend, _sse_events
 

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from pdd.services.router.failover import resume_target
-from pdd.services.router.inflight import InFlight
-from pdd.services.router.ownership import OwnershipTracker
-from pdd.services.router.registry import Registry
-from pdd.services.router.routing import Route
-from pdd.services.router.types import GenerationError, GenerationRequest
+from pdd.router.failover import resume_target
+from pdd.router.inflight import InFlight
+from pdd.router.ownership import OwnershipTracker
+from pdd.router.registry import Registry
+from pdd.router.routing import Route
+from pdd.router.types import GenerationError, GenerationRequest
 from pdd.shared.config import PDDConfig
 from pdd.shared.pipelines import Pipeline
 from pdd.shared.protocol import Announce, SamplingSpec

@@ -8,10 +8,10 @@ events say ``cleared``, so the index drops what the earlier process under that i
 
 from __future__ import annotations
 
-from pdd.services.router.prefix_index import PrefixIndex
-from pdd.services.router.registry import Registry
-from pdd.services.router.routing import Routing
-from pdd.services.router.wan_health import WanHealth
+from pdd.router.prefix_index import PrefixIndex
+from pdd.router.registry import Registry
+from pdd.router.routing import Routing
+from pdd.router.wan_health import WanHealth
 from pdd.shared.block_hash import prefix_block_hashes
 from pdd.shared.config import PDDConfig
 from pdd.shared.protocol import Announce, CacheEvents, CacheQuery, CacheQueryReply

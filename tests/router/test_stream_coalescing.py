@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from pdd.services.router.detokenize import IncrementalDetokenizer
-from pdd.services.router.streaming import BackendStream, text_deltas
-from pdd.services.router.types import TokenEvent
+from pdd.router.detokenize import IncrementalDetokenizer
+from pdd.router.streaming import BackendStream, text_deltas
+from pdd.router.types import TokenEvent
 from pdd.shared.protocol import TokenLogprobs
 
 IDS = [300, 301, 302, 303, 304, 305]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdd.services.router.registry import Registry
-from pdd.services.router.wan_health import WanHealth, WanProbe
+from pdd.router.registry import Registry
+from pdd.router.wan_health import WanHealth, WanProbe
 from pdd.shared import metrics
 from pdd.shared.config import PDDConfig
 from pdd.shared.protocol import Announce, SubmitRequest, TokenChunk

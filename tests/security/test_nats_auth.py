@@ -13,7 +13,7 @@ import sys
 import nats
 import pytest
 
-from pdd.services.launch.natsserver import ServerTLS, start_nats_server
+from pdd.launch.natsserver import ServerTLS, start_nats_server
 from pdd.shared.bus import Bus, BusConnectError, BusError, connect_options
 from pdd.shared.config import ConfigError, NatsConfig
 from pdd.shared.protocol import Ping, Pong, Subjects

@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 import yaml
 
-from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
-from pdd.services.launch.natsserver import ServerTLS, start_nats_server
+from pdd.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.launch.natsserver import ServerTLS, start_nats_server
 from pdd.shared.bus import Bus
 from pdd.shared.config import NatsConfig
 from pdd.shared.protocol import CacheQuery, CacheQueryReply, Ping, Pong, Subjects

@@ -12,7 +12,7 @@ import pytest
 import yaml
 import zmq.auth
 
-from pdd.services.launch.up import add_arguments, build_config
+from pdd.launch.up import add_arguments, build_config
 from pdd.shared.config import load_config
 from pdd.transports import PeerLostError, create_transport
 from pdd.transports.keys_cli import write_keypair

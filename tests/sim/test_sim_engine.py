@@ -11,7 +11,7 @@ from pdd.loadgen.workload import AgenticConfig, agentic_arrays
 from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import ROUTABLE
 from pdd.sim.event_loop import BASELINE_PD, P_D, P_RLD, P_RLD_MD, PIPELINE_NAMES, SimInput, simulate
-from pdd.sim.hardware import WanLink
+from pdd.scenarios import WanLink
 from pdd.sim.scenario import Scenario, load_yaml, unit_poisson
 
 CM = CostModel(p0=0.01, p_tok=2e-5, p_attn=1e-10, d0=0.005, d_seq=1e-4, d_ctx=1e-8, kv_capacity_tokens=400_000)

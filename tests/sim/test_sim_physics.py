@@ -8,7 +8,7 @@ import pytest
 
 from pdd.shared.cost_model import Chip, ModelSpec, from_hardware
 from pdd.sim.event_loop import SimInput, simulate
-from pdd.sim.hardware import WanLink
+from pdd.scenarios import WanLink
 from pdd.sim.report import Reproduction
 from pdd.sim.scenario import Scenario, load_yaml, set_path
 

@@ -14,7 +14,7 @@ KEYS = {"ttft_reduction", "goodput_gain", "hw_cost_change", "wan_bandwidth_ratio
 
 
 def test_report_cli_last_line_is_json(tmp_path, capsys):
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     rc = main(["sim", "report", "--num-requests", "300", "--no-sensitivity", "--out-dir", str(tmp_path)])
     assert rc == 0
@@ -52,7 +52,7 @@ def test_calibration_recovers_coefficients_and_predicts_holdout(tmp_path):
 
 
 def test_calibrate_cli(tmp_path, capsys):
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(_synthetic_run(1, 0.5)))
@@ -73,7 +73,7 @@ def test_import_is_cheap():
 
 def test_report_sweep_shows_progress_on_stderr(tmp_path, capsys, monkeypatch):
     """One progress line per sensitivity point goes to stderr; stdout keeps the tables and the JSON last line."""
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
     from pdd.sim import report
 
     monkeypatch.setattr(report, "SENSITIVITY", (("wan.setup_s", (0.05, 0.5)), ("utilisation.mfu", (0.5,))))

@@ -129,7 +129,7 @@ async def test_telemetry_metrics_and_span() -> None:
 
 
 def test_keys_cli_writes_loadable_pair(tmp_path) -> None:
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     assert main(["keys", "--out", str(tmp_path), "--name", "site-a"]) == 0
     public, secret = zmq.auth.load_certificate(str(tmp_path / "site-a.key_secret"))

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from pdd.services.peer_links import PeerLinks
+from pdd.roles.peer_links import PeerLinks
 from pdd.transports.errors import PeerLostError
 from tests.transports.conftest import Pair, layout_for
 

@@ -47,7 +47,7 @@ def test_rtt_and_rate_match_settings() -> None:
 @pytest.mark.root
 @root
 def test_cli_up_status_down_and_double_up_refused(capsys) -> None:
-    from pdd.services.launch.cli import main
+    from pdd.launch.cli import main
 
     args = ["--ns-a", "pddt-c", "--ns-b", "pddt-d", "--subnet", "10.79.0"]
     assert main(["wan", "up", "--rate", "100mbit", "--delay", "5ms", "--jitter", "1ms", "--loss", "0.1%", *args]) == 0

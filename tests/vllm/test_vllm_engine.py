@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pdd.engine import SamplingParams
-from pdd.engine.errors import EngineInputError, UnknownRequestError
+from pdd.engine.core.errors import EngineInputError, UnknownRequestError
 from tests.vllm.conftest import run_to_end
 
 
@@ -193,7 +193,7 @@ async def test_corrupt_kv_frames_leave_the_staging_pool_untouched(vllm_engine):
 
 def test_pdd_up_backend_vllm_writes_a_vllm_fleet(tmp_path):
     """`pdd up --backend vllm`: every role's model.backend is vllm (without vLLM it refuses: test_up_emulate.py)."""
-    from pdd.services.launch.up import build_config
+    from pdd.launch.up import build_config
     from tests.e2e.test_up import _args
 
     config = build_config(_args("--backend", "vllm"), "nats://127.0.0.1:4222", tmp_path, {})

@@ -14,8 +14,7 @@ import random
 import httpx
 import pytest
 
-from pdd.services.launch.local_cluster import LocalCluster, two_site_layout
-from pdd.shared.backends import Backend
+from pdd.launch.local_cluster import LocalCluster, two_site_layout
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from tests.vllm.conftest import BLOCK_SIZE, DTYPE, KV_MB, run_to_end
 
@@ -34,7 +33,7 @@ def _prompts(seed: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory):
     config = {
-        "model": {"backend": Backend.VLLM.value, "path": "default", "dtype": DTYPE, "kv_memory_mb": KV_MB,
+        "model": {"backend": "vllm", "path": "default", "dtype": DTYPE, "kv_memory_mb": KV_MB,
                   "block_size": BLOCK_SIZE, "max_num_seqs": 16, "threads": 1},
         **two_site_layout(),
         "transports": {"fast": {"name": "zmq", "options": {}},
@@ -74,7 +73,7 @@ def _body(prompt, pipeline: Pipeline, handoff: HandoffMode | None, max_tokens: i
 def test_every_engine_runs_vllm(vllm_cluster):
     for member in vllm_cluster.engine_members():
         loaded = member.log_event("model_loaded")
-        assert loaded["backend"] == Backend.VLLM and loaded["linear_kernel"].startswith("vllm "), loaded
+        assert loaded["backend"] == "vllm" and loaded["linear_kernel"].startswith("vllm "), loaded
         assert loaded["layout"]["backend"].startswith("vllm-"), loaded["layout"]
 
 

@@ -1,0 +1,240 @@
+"""Prefill (P): prefix match, prefill, first token at once, then dual-path KV transfer.
+
+For each request the receivers (relay over the fast in-site transport, main decode over the WAN, or
+over the fast one where it shares P's site) are asked to prepare while the prompt is being prefilled:
+each answers with the prefix it already holds and where the rest must land, so only missing blocks
+move. Both transfers run in parallel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from pdd.engine import EngineInputError, StepOutput
+from pdd.roles.engine_service import EngineService, sampling_params
+from pdd.shared import metrics
+from pdd.shared.bus import BusError, Envelope
+from pdd.shared.links import KVLink
+from pdd.shared.pipelines import spec
+from pdd.shared.protocol import (
+    Cancel,
+    ImportPlan,
+    KVReady,
+    Message,
+    PrefillResult,
+    PrepareImport,
+    Subjects,
+    SubmitRequest,
+    TokenLogprobs,
+)
+from pdd.shared.roles import Role
+from pdd.shared.telemetry import get_logger, inject_headers
+from pdd.transports.errors import PeerLostError, TransferTimeout
+
+log = get_logger("pdd.prefill")
+tracer = trace.get_tracer("pdd.prefill")
+
+
+@dataclass
+class Destination:
+    instance_id: str
+    link: KVLink
+    use_cache: bool
+
+
+class PrefillService(EngineService):
+    role = Role.PREFILL
+
+    def __init__(self, config, instance):
+        super().__init__(config, instance)
+        self._active: dict[str, asyncio.Task] = {}
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        for link in KVLink:
+            await self.open_transport(link, self.config.transports.of(link))
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "submit"), self._on_submit, expect=SubmitRequest)
+
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def on_stop(self) -> None:
+        for task in list(self._active.values()):  # past the drain timeout: give up on them cleanly
+            task.cancel()
+        await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await super().on_stop()
+
+    async def _on_submit(self, message: Message, _: Envelope) -> None:
+        assert isinstance(message, SubmitRequest)
+        if not self.accepting:
+            await self.send_error(message.events_subject, message.request_id, "draining",
+                                  f"prefill {self.instance_id} is draining", retryable=True)
+            return
+        if message.request_id in self._active:
+            return
+        task = asyncio.create_task(self._run(message), name=f"prefill-{message.request_id}")
+        self._active[message.request_id] = task
+        task.add_done_callback(lambda _: self._active.pop(message.request_id, None))
+
+    async def cancel_request(self, request_id: str, reason: str) -> None:
+        task = self._active.get(request_id)
+        if task is not None:
+            task.cancel()  # its finally frees the KV once no transfer reads it any more
+        else:
+            await super().cancel_request(request_id, reason)
+
+    def _destinations(self, req: SubmitRequest) -> list[Destination]:
+        dests = []
+        kv_to = spec(req.pipeline).kv_to
+        if Role.RELAY in kv_to and req.rld_instance:
+            dests.append(Destination(req.rld_instance, KVLink.FAST, use_cache=False))
+        if Role.MAIN_DECODE in kv_to and req.md_instance:
+            dests.append(Destination(req.md_instance, req.md_link, use_cache=True))
+        return dests
+
+    async def _run(self, req: SubmitRequest) -> None:
+        rid = req.request_id
+        held = False
+        try:
+            with tracer.start_as_current_span("prefill", attributes={"request_id": rid, "pipeline": req.pipeline,
+                                                                     "prompt_tokens": len(req.prompt_ids)}) as span:
+                dests = self._destinations(req)
+                plans = {d.instance_id: asyncio.create_task(self._prepare(req, d)) for d in dests}
+                cached = await self.runner.call(self.engine.cached_prefix_len, req.prompt_ids)
+                first, first_logprobs, finish_reason = await self._prefill(req)
+                held = True
+                span.set_attribute("cached_tokens", cached)
+            await self.bus.publish(req.events_subject, PrefillResult(
+                request_id=rid, instance_id=self.instance_id, first_token=first, prompt_tokens=len(req.prompt_ids),
+                cached_tokens=cached, finish_reason=finish_reason, first_logprobs=first_logprobs))
+            if finish_reason is not None or not dests:
+                for task in plans.values():
+                    task.cancel()
+                if dests:
+                    await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="finished at prefill"))
+                return
+            blocks = await self.runner.call(self.engine.request_blocks, rid)
+            ready_plans = [await plans[d.instance_id] for d in dests]
+            results = await asyncio.gather(
+                *(self._transfer(req, d, plan, blocks, first) for d, plan in zip(dests, ready_plans)),
+                return_exceptions=True)
+            failed = [(d, r) for d, r in zip(dests, results) if isinstance(r, BaseException)]
+            if failed:
+                await self._transfer_failed(req, dests, failed)
+        except asyncio.CancelledError:
+            raise
+        except EngineInputError as exc:
+            await self.send_error(req.events_subject, rid, "invalid_request", str(exc))
+        except BusError as exc:
+            await self.send_error(req.events_subject, rid, exc.code, f"prefill could not reach a decoder: {exc}",
+                                  retryable=True)
+            await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="prepare failed"))
+        except Exception as exc:
+            log.exception("prefill_failed", request_id=rid)
+            await self.send_error(req.events_subject, rid, "internal", f"prefill failed: {exc}")
+        finally:
+            self.runner.unwatch(rid)
+            if held:
+                await self.runner.call(self._release, rid)  # P's radix cache keeps the prompt
+            else:
+                await self.runner.call(self.engine.abort, rid)
+
+    async def _transfer_failed(self, req: SubmitRequest, dests: list[Destination],
+                               failed: list[tuple[Destination, BaseException]]) -> None:
+        """WAN fallback: in P-RLD-MD a lost WAN transfer leaves the relay to finish the request locally.
+
+        Any other failure ends this attempt everywhere; the router migrates or retries it.
+        """
+        rid = req.request_id
+        wan_only = all(d.link == KVLink.WAN for d, _ in failed) and len(failed) < len(dests)
+        dest, exc = failed[0]
+        # only a link that lost its peer or timed out says the WAN is down; a receiver that refused the
+        # frames (e.g. MD dropped the request because the relay already finished it) says nothing about it
+        link_down = isinstance(exc, (PeerLostError, TransferTimeout, TimeoutError))
+        code = ("wan_transfer_failed" if link_down else "wan_transfer_refused") if dest.link == KVLink.WAN \
+            else "kv_transfer_failed"
+        if wan_only:
+            await self.bus.publish(Subjects.instance(dest.instance_id, "cancel"),
+                                   Cancel(rid, reason="wan transfer failed"))
+            await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed "
+                                  f"({exc}); the relay finishes the request locally", retryable=True)
+            return
+        await self.send_error(req.events_subject, rid, code, f"KV transfer to {dest.instance_id} failed: {exc}",
+                              retryable=True)
+        await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="kv transfer failed"))
+
+    def _release(self, rid: str) -> None:
+        if self.engine.has_request(rid):
+            self.engine.release(rid)
+
+    async def _prefill(self, req: SubmitRequest) -> tuple[int, TokenLogprobs | None, str | None]:
+        """Run the prompt; the first token (output position 0) and its logprobs (if asked) are sampled here."""
+        done: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+
+        def on_output(out: StepOutput) -> None:
+            if out.finished and not done.done():
+                done.set_result(out)
+
+        self.runner.watch(req.request_id, on_output)
+        await self.runner.call(self.engine.add_request, req.request_id, req.prompt_ids,
+                               sampling_params(req.sampling), max_new_tokens=1, hold_kv=True)
+        self.runner.wake()
+        out = await done
+        first = out.token_ids[0]
+        # max_new_tokens=1 always ends in "length" here; only a real stop or the client's limit ends the request
+        eos = first in self.engine.eos_token_ids and not req.sampling.ignore_eos
+        stop = eos or first in req.sampling.stop_token_ids
+        finish = "stop" if stop else ("length" if req.sampling.max_tokens <= 1 else None)
+        return first, (out.logprobs or [None])[0], finish
+
+    async def _prepare(self, req: SubmitRequest, dest: Destination) -> ImportPlan:
+        message = PrepareImport(
+            request_id=req.request_id, prompt_ids=req.prompt_ids, sampling=req.sampling,
+            events_subject=req.events_subject, deadline_unix=req.deadline_unix, pipeline=req.pipeline,
+            use_cache=dest.use_cache, link=dest.link, source_descriptor=self.transports[dest.link].descriptor(),
+            handoff_mode=req.handoff_mode, md_instance=req.md_instance, rld_instance=req.rld_instance,
+        )
+        plan = await self.bus.request(Subjects.instance(dest.instance_id, "prepare_import"), message,
+                                      expect=ImportPlan)
+        assert isinstance(plan, ImportPlan)
+        return plan
+
+    async def _transfer(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, blocks: list[int],
+                        first: int) -> None:
+        span_name = f"kv.transfer.{dest.link}"
+        skip = plan.cached_tokens // self.engine.block_size
+        src = blocks[skip:]
+        if len(src) != len(plan.dst_blocks):
+            raise RuntimeError(f"{dest.instance_id} planned {len(plan.dst_blocks)} blocks, P has {len(src)} to send")
+        with tracer.start_as_current_span(span_name, attributes={
+            "request_id": req.request_id, "peer": dest.instance_id, "blocks": len(src),
+            "cached_tokens_at_peer": plan.cached_tokens,
+        }) as span:
+            nbytes, seconds = 0, 0.0
+            if src:
+                # held for this send: other transfers share the link, and none may close it under this one
+                peer = await self.links.hold(dest.link, plan.descriptor)
+                t0 = time.monotonic()
+                try:
+                    stats = await self.transports[dest.link].send(peer, req.request_id, src, plan.dst_blocks,
+                                                                       trace_context=inject_headers())
+                except PeerLostError:  # this link is gone: the next transfer opens a new one
+                    await self.links.forget(dest.link, plan.descriptor, peer)
+                    raise
+                finally:
+                    await self.links.release(dest.link, peer)
+                nbytes, seconds = stats.bytes, time.monotonic() - t0
+            gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+            span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
+        if dest.link == KVLink.WAN:
+            metrics.WAN_BYTES.labels(self.instance_id).inc(nbytes)
+            metrics.WAN_TRANSFER.observe(seconds)
+        else:
+            metrics.FAST_BYTES.labels(self.instance_id).inc(nbytes)
+        await self.bus.publish(Subjects.instance(dest.instance_id, "kv_ready"), KVReady(
+            request_id=req.request_id, instance_id=self.instance_id, first_token=first, bytes_sent=nbytes,
+            seconds=seconds))

@@ -1,0 +1,225 @@
+"""The router's request loop: route, submit, emit tokens in order, migrate on failure, cancel on exit.
+
+It keeps each request's prompt and every emitted token id (``InFlight``: what any decoder needs to
+resume it by extend/recompute), enforces the deadline, holds the first token of a WAN pipeline until
+the decoder's stream starts (``first_token_after_kv``), and cancels everywhere when the client goes
+away. The decisions it ties together live beside it: routing.py (instances and pipeline),
+failover.py (when and where a request moves), wan_health.py (WAN link state and probes),
+reporting.py (metrics, spans, the final event's info).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from pdd.router import failover, reporting
+from pdd.router.failover import WAN_ERRORS, WATCH_INTERVAL_S, Failure, HealthWatch
+from pdd.router.inflight import InFlight
+from pdd.router.ownership import OwnershipTracker
+from pdd.router.prefix_index import PrefixIndex
+from pdd.router.registry import Registry
+from pdd.router.routing import Route, Routing
+from pdd.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.router.wan_health import WanHealth, WanProbe
+from pdd.shared import metrics
+from pdd.shared.bus import Bus, Envelope
+from pdd.shared.config import PDDConfig
+from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.protocol import Cancel, ErrorReply, Message, PrefillResult, Subjects, SubmitRequest, TokenChunk
+from pdd.shared.roles import Role
+from pdd.shared.telemetry import get_logger
+
+log = get_logger("pdd.router")
+tracer = trace.get_tracer("pdd.router")
+
+
+class Orchestrator:
+    def __init__(self, config: PDDConfig, bus: Bus, registry: Registry, router_id: str):
+        self.config = config
+        self.bus = bus
+        self.registry = registry
+        self.router_id = router_id
+        self.events_subject = Subjects.router_events(router_id)
+        self.index = PrefixIndex()
+        self.inflight: dict[str, InFlight] = {}  # by attempt id
+        self.probes = WanProbe(config, bus, registry, self.events_subject, self._cancel,
+                               forget=lambda decode_id: self.wan.forget(decode_id))
+        self.wan = WanHealth(self.probes.probe, config.router.wan_probe_interval_s)
+        self.routing = Routing(config, bus, registry, self.index, self.wan)
+        self.health = HealthWatch(config, bus, registry)
+
+    async def start(self) -> None:
+        await self.index.start(self.bus)
+        await self.bus.subscribe(self.events_subject, self._on_event,
+                                 expect=(PrefillResult, TokenChunk, ErrorReply))
+
+    async def stop(self) -> None:
+        await self.wan.stop()
+
+    async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
+        return await self.routing.route(req, exclude)
+
+    def max_context(self) -> int:
+        limits = [i.max_context for i in self.registry.instances() if i.max_context]
+        return min(limits) if limits else 0
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Async generator of token events; closing it early cancels the request everywhere."""
+        arrival = time.monotonic()
+        with tracer.start_as_current_span("router.request", attributes={
+                "request_id": req.request_id, "prompt_tokens": len(req.prompt_ids)}) as span:
+            t_route = time.monotonic()
+            route = await self.route(req)
+            span.set_attribute("route_ms", round((time.monotonic() - t_route) * 1000, 2))
+            reporting.note_route(span, route)
+            model = self.config.model.served_name
+            metrics.PROMPT_TOKENS.labels(model).inc(len(req.prompt_ids))
+            report = reporting.StreamReport(span, route.pipeline, arrival, model)
+            state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id)
+            self.inflight[state.attempt_id] = state
+            metrics.IN_FLIGHT.labels(model).inc()
+            finished = False
+            try:
+                await self._submit(state)
+                report.submit(time.monotonic())
+                while True:
+                    remaining = req.deadline_unix - time.time()
+                    if remaining <= 0:
+                        raise GenerationError(504, "deadline_exceeded",
+                                              f"request {req.request_id} did not finish before its deadline")
+                    try:  # a timer per wait, no task: this runs once per token of every stream
+                        if state.queue.empty():
+                            async with asyncio.timeout(min(remaining, WATCH_INTERVAL_S)):
+                                item = await state.queue.get()
+                        else:
+                            item = state.queue.get_nowait()
+                    except TimeoutError:
+                        problem = self.health.problem(state)
+                        if problem is not None:
+                            await self._migrate(state, problem, span)
+                        continue
+                    if isinstance(item, GenerationError):
+                        raise item
+                    if isinstance(item, Failure):
+                        await self._migrate(state, item, span)
+                        continue
+                    now = time.monotonic()
+                    report.tokens(state, len(item.token_ids), now)
+                    state.sent += len(item.token_ids)
+                    if item.finish_reason is not None:
+                        finished = True
+                        item.info = reporting.request_info(state)
+                        report.finish(state, item.finish_reason, now)
+                    yield item
+                    if finished:
+                        return
+            except GenerationError as exc:
+                report.error(exc)
+                raise
+            finally:
+                self.inflight.pop(state.attempt_id, None)
+                metrics.IN_FLIGHT.labels(model).dec()
+                if not finished:
+                    await self._cancel(state.attempt_id, "client gone or failed")
+
+    async def _submit(self, state: InFlight) -> None:
+        req, route = state.request, state.route
+        await self.bus.publish(Subjects.instance(route.prefill.instance_id, "submit"), SubmitRequest(
+            request_id=state.attempt_id, prompt_ids=req.prompt_ids, sampling=req.sampling,
+            pipeline=route.pipeline, events_subject=self.events_subject, deadline_unix=req.deadline_unix,
+            rld_instance=route.relay.instance_id if route.relay else None,
+            md_instance=route.main_decode.instance_id if route.main_decode else None, md_link=route.md_link,
+            handoff_mode=req.forced_handoff or self.config.router.forced_handoff))
+
+    async def _cancel(self, attempt_id: str, reason: str) -> None:
+        try:
+            await self.bus.publish(Subjects.CANCEL, Cancel(attempt_id, reason=reason))
+        except Exception as exc:
+            log.warning("cancel_publish_failed", request_id=attempt_id, error=str(exc))
+
+    async def _migrate(self, state: InFlight, failure: Failure, span: trace.Span) -> None:
+        """Move the request to healthy instances under a new attempt id, or fail it with a clear error."""
+        rid = state.request.request_id
+        if state.migrations >= self.config.router.max_migrations:
+            raise GenerationError(503, "failover_exhausted", f"request {rid} failed after {state.migrations} "
+                                  f"failover(s): {failure.code}: {failure.message}")
+        state.migrations += 1
+        if failure.exclude:
+            state.excluded.add(failure.exclude)
+        owners = failover.depends_on(state)
+        left = failure.exclude or (owners[-1].instance_id if owners else None)
+        self.inflight.pop(state.attempt_id, None)
+        await self._cancel(state.attempt_id, f"migrating: {failure.code}")
+        if state.held:  # the client gets the held first token now: it is part of the resume point
+            state.queue.put_nowait(TokenEvent(state.held, logprobs=state.held_logprobs))
+            state.flushed.extend(state.held)
+            state.held, state.held_logprobs = [], []
+        state.attempt_id = f"{rid}-m{state.migrations}"
+        self.inflight[state.attempt_id] = state
+        state.last_progress = time.monotonic()
+        if not state.flushed:
+            kind = "retry"
+            state.route = await self.route(state.request, exclude=state.excluded)
+            state.tracker = OwnershipTracker(state.route.pipeline)
+            state.wan_fallback, state.resumed_on = False, None
+            reporting.note_route(span, state.route)
+            await self._submit(state)
+            target = state.route.prefill
+        else:
+            kind = "resume"
+            target = failover.resume_target(state, self.registry, self.config,
+                                            prefer_relay=failure.code in WAN_ERRORS)
+            state.tracker = OwnershipTracker(Pipeline.RESUME, next_position=len(state.flushed),
+                                             relay_tokens=state.tracker.relay_tokens)
+            state.resumed_on = target
+            req = state.request
+            await self.bus.publish(Subjects.instance(target.instance_id, "resume"), SubmitRequest(
+                request_id=state.attempt_id, prompt_ids=req.prompt_ids, sampling=req.sampling, pipeline=Pipeline.RESUME,
+                events_subject=self.events_subject, deadline_unix=req.deadline_unix,
+                output_ids=list(state.flushed)))
+        reporting.note_migration(state, span, kind, failure.code, left, target)
+        log.warning("request_migrated", request_id=rid, kind=kind, reason=failure.code, detail=failure.message,
+                    left=left, to=target.instance_id, to_role=target.role, resume_at=len(state.flushed))
+
+    async def _on_event(self, message: Message, _: Envelope) -> None:
+        rid = getattr(message, "request_id", None)
+        if self.probes.owns(rid):
+            self.probes.on_event(message)
+            return
+        state = self.inflight.get(rid) if rid else None
+        if state is None:
+            return  # unknown, finished, or from an attempt the request migrated away from
+        state.last_progress = received = time.monotonic()
+        if isinstance(message, ErrorReply):
+            outcome = failover.on_error(state, message, self.wan, self.registry)
+            if outcome is not None:
+                state.queue.put_nowait(outcome)
+            return
+        if isinstance(message, PrefillResult):
+            state.p_cached = message.cached_tokens
+            first_logprobs = [message.first_logprobs] if message.first_logprobs is not None else []
+            emission = state.tracker.accept(Role.PREFILL, 0, [message.first_token], message.finish_reason,
+                                            logprobs=first_logprobs)
+        else:
+            assert isinstance(message, TokenChunk)
+            state.meta.update(message.meta)
+            emission = state.tracker.accept(message.role, message.start, message.token_ids, message.finish_reason,
+                                            message.owner_until, logprobs=message.logprobs)
+        tokens, logprobs = emission.token_ids, emission.logprobs
+        holds_first = self.config.router.first_token_after_kv and spec(state.route.pipeline).crosses_wan
+        if holds_first and not emission.finish_reason:
+            if len(tokens) == 1 and state.tracker.next_position == 1 and not state.flushed and not state.held:
+                state.held, state.held_logprobs = tokens, logprobs  # conventional PD: the first token waits
+                return
+        if state.held:
+            tokens, state.held = state.held + tokens, []
+            logprobs, state.held_logprobs = state.held_logprobs + logprobs, []
+        if tokens or emission.finish_reason:
+            state.flushed.extend(tokens)
+            state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason,
+                                              logprobs=logprobs if len(logprobs) == len(tokens) else [],
+                                              received=received))
