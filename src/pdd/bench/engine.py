@@ -201,7 +201,7 @@ def find_vllm_python(explicit: str | None) -> str | None:
         return explicit
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    venv = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+    venv = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"  # a checkout's src/pdd/bench
     return str(venv) if venv.exists() else None
 
 

@@ -432,6 +432,17 @@ def _format_errors(source: str, exc: ValidationError, environ: Mapping[str, str]
     return "\n".join(lines)
 
 
+def _apply_section_env(data: dict, environ: Mapping[str, str], sections: set[str]) -> None:
+    """``PDD__SECTION__FIELD`` for an engine backend's own section: not a declared field, so pydantic-settings
+    does not read it; set into the file's values here (env wins, as everywhere)."""
+    for key, value in environ.items():
+        if not key.upper().startswith(ENV_PREFIX):
+            continue
+        section, _, field = key[len(ENV_PREFIX):].lower().partition("__")
+        if section in sections and field and isinstance(data.setdefault(section, {}), dict):
+            data[section][field] = value
+
+
 def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None = None) -> PDDConfig:
     """Read the YAML file, let ``PDD__SECTION__FIELD`` variables override it (pydantic-settings), validate.
 
@@ -459,11 +470,7 @@ def load_config(path: str | os.PathLike | None, environ: dict[str, str] | None =
         raise ConfigError(f"{', '.join(unknown)}: no such config section (sections: {', '.join(sections)})")
     if any(not isinstance(key, str) for key in data):
         raise ConfigError(f"{source}: top-level keys must be section names (model, nats, instances, ...)")
-    for key, value in environ.items():  # a backend's own section is not a declared field: its variables by hand
-        section, _, field = key[len(ENV_PREFIX):].lower().partition("__") if key.upper().startswith(ENV_PREFIX) \
-            else ("", "", "")
-        if section in engine_sections and field and isinstance(data.setdefault(section, {}), dict):
-            data[section][field] = value
+    _apply_section_env(data, environ, engine_sections)
     token = _environ.set(environ)
     try:
         settings = _Settings(**data)
