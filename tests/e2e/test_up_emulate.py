@@ -31,7 +31,7 @@ def test_emulate_report_writes_the_reports_shape(tmp_path) -> None:
     (tmp_path / "pdd.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     loaded = load_config(tmp_path / "pdd.yaml", environ={})  # what every service reads
     assert loaded.model.backend == "emulated"
-    assert (loaded.emulation.scenario, loaded.emulation.system) == ("report", "pdd")
+    assert (loaded.engine_section().scenario, loaded.engine_section().system) == ("report", "pdd")
     roles = [i.role for i in loaded.instances]
     # 43 GPU-A in instances of 8: 4 prefill + 1 relay; 32 GPU-B: 4 main decode
     assert (roles.count("prefill"), roles.count("relay"), roles.count("main-decode")) == (4, 1, 4)

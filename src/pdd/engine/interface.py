@@ -196,6 +196,11 @@ class EngineBackend(Protocol):
         """KV blocks in the pool. Changes nothing."""
         ...
 
+    def describe(self) -> dict[str, Any]:
+        """What the startup log says of this engine beyond the interface's fields: a backend's own block (the
+        emulated engine's ``emulated``: chips, KV scale, dilation, capacity), or nothing. Changes nothing."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """Counters for health and metrics: ``running``, ``waiting``, ``free_blocks``, ``total_blocks``,
         ``cached_blocks``, ``evictable_blocks``, ``cache_queries``, ``cache_hit_tokens``,

@@ -148,7 +148,8 @@ class EngineService(Service):
             log.info("model_loaded", backend=m.backend, seconds=round(time.monotonic() - t0, 2), dtype=choice.dtype,
                      kv_dtype=choice.kv_dtype, dtype_reason=choice.reason,
                      linear_kernel=self.engine.linear_kernel, layout=self.engine.layout.to_dict(),
-                     kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context)
+                     kv_blocks=self.engine.num_total_blocks(), max_context=self.engine.max_context,
+                     **self.engine.describe())
             await fleet.check(self.engine.layout, self.config.service.heartbeat_ms / 1000)
         finally:
             await fleet.close()

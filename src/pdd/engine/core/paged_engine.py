@@ -71,6 +71,9 @@ class PagedEngine:
     def step(self) -> list[StepOutput]:
         raise NotImplementedError
 
+    def describe(self) -> dict[str, Any]:
+        return {}
+
     def kv_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The pool's per-layer K and V tensors (what a transport registers); see engine/interface.py."""
         return self.pool.k_cache, self.pool.v_cache

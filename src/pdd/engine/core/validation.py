@@ -16,7 +16,7 @@ from pdd.engine.core.sampling_params import SamplingParams
 def check_token_ids(token_ids: Sequence[object], vocab_size: int, what: str = "token ids") -> None:
     """Every id an int in ``[0, vocab_size)``."""
     if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab_size for t in token_ids):
-        raise EngineInputError(f"{what} contain token ids outside the vocabulary [0, {vocab_size})")
+        raise EngineInputError(f"{what}: token ids outside the vocabulary [0, {vocab_size})")
 
 
 def check_max_new_tokens(value: object) -> None:

@@ -145,6 +145,7 @@ class EmulatedEngine(PagedEngine):
                          prefill_chunk_tokens=prefill_chunk_tokens, enable_prefix_cache=enable_prefix_cache,
                          cache_finished=cache_finished)
         self.write_kv = write_kv
+        self.profile: dict[str, Any] = {}  # what it emulates, for the startup log (profile.py's build_engine)
         # pacing counters (stats())
         self.steps = 0
         self.overrun_steps = 0
@@ -166,6 +167,9 @@ class EmulatedEngine(PagedEngine):
     @property
     def linear_kernel(self) -> str:
         return "emulated (cost model)"
+
+    def describe(self) -> dict[str, Any]:
+        return {"emulated": self.profile} if self.profile else {}
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

@@ -103,21 +103,21 @@ def engine_kwargs(cfg: EmulationSettings, prof: EmulatedProfile, tokenizer: Any,
 
 
 def build_engine(config: PDDConfig, role: str, cache_finished: bool) -> EmulatedEngine:
-    """The role's emulated engine (its profile's cost model and KV shape); logs what it emulates."""
+    """The role's emulated engine (its profile's cost model and KV shape; ``describe`` says what it emulates)."""
     from pdd.shared.model_files import resolve_model_path
-    from pdd.shared.telemetry import get_logger
     from pdd.shared.tokenizer import load_tokenizer
 
     m = config.model
     section, model_keys = config.engine_section(), config.engine_settings()
     assert isinstance(section, EmulationSettings) and isinstance(model_keys, EmulatedModelSettings)
     prof = profile(section, role)
-    get_logger("pdd.engine").info("emulated_profile", **prof.describe())
-    return EmulatedEngine(**engine_kwargs(
+    engine = EmulatedEngine(**engine_kwargs(
         section, prof, load_tokenizer(resolve_model_path(m.path)), block_size=m.block_size,
         max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
         prefill_chunk_tokens=model_keys.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
         enable_prefix_cache=m.enable_prefix_cache, cache_finished=cache_finished))
+    engine.profile = prof.describe()
+    return engine
 
 
 def preflight(config: PDDConfig) -> str:

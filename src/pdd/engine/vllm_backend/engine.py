@@ -182,6 +182,9 @@ class VllmEngine:
     def drain_cache_events(self) -> list[CacheEvent]:
         return self.cache.drain_events()
 
+    def describe(self) -> dict[str, Any]:
+        return {}
+
     def stats(self) -> dict[str, Any]:
         s = self.cache.stats
         running = sum(1 for e in self.entries.values() if e.vllm_id is not None)
