@@ -40,3 +40,22 @@ def test_a_long_prompt_shares_each_step_with_the_requests_behind_it(llama_path):
 def test_prefill_chunk_tokens_must_be_positive(llama_path):
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         make_engine(llama_path, prefill_chunk_tokens=0)
+
+
+def test_a_recompute_runs_its_prompt_then_its_known_outputs(llama_path):
+    """A migrated request's known outputs are not computed in its prompt's pass (which attends in fp32), but
+    as an extend of output tokens after it (float64, as the decode steps that produced them): one pass over
+    both made a relay's bf16 resume drift from the undisturbed run (Scheduler.chunk)."""
+    engine = make_engine(llama_path)
+    known = [i % 190 + 5 for i in range(30)]
+    engine.add_request("resumed", SHORT, SamplingParams(ignore_eos=True), max_new_tokens=32, known_outputs=known)
+    plans, schedule = [], engine.scheduler.schedule
+
+    def recorded():
+        decode, prefill = schedule()
+        plans.append([n for _, n in prefill] or ["decode"])
+        return decode, prefill
+
+    engine.scheduler.schedule = recorded
+    engine.step(), engine.step(), engine.step()
+    assert plans == [[len(SHORT)], [len(known)], ["decode"]]

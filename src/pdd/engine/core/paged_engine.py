@@ -14,6 +14,7 @@ pool and scheduler queues on the one worker thread, so its invariants stay reada
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Any
 
 from pdd.engine.core.dtypes import DtypeChoice
@@ -30,12 +31,11 @@ if TYPE_CHECKING:
     import torch
 
 
-class PagedEngine:
+class PagedEngine(abc.ABC):
     """The request API of engine/interface.py over a paged pool, a radix cache and a continuous-batching
     scheduler; subclasses implement ``step`` (and may add to ``stats``)."""
 
     dtype_choice: DtypeChoice
-    linear_kernel: str = ""
 
     def __init__(self, layout: KVLayout, num_blocks: int, *, position_limit: int, vocab_size: int,
                  eos_token_ids: list[int], tokenizer: Any = None, max_num_seqs: int = 64,
@@ -68,8 +68,14 @@ class PagedEngine:
     def block_size(self) -> int:
         return self.layout.block_size
 
+    @abc.abstractmethod
     def step(self) -> list[StepOutput]:
-        raise NotImplementedError
+        """One batch: the backend's compute over ``self.scheduler.schedule()`` (engine/interface.py)."""
+
+    @property
+    @abc.abstractmethod
+    def linear_kernel(self) -> str:
+        """What computes the projections (logged at startup)."""
 
     def describe(self) -> dict[str, Any]:
         return {}

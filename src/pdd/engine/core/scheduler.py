@@ -59,6 +59,17 @@ class Scheduler(BlockBook):
             self.waiting.remove(req)
 
     # ---- the step plan --------------------------------------------------------------------
+    def chunk(self, req: Request, budget: int) -> int:
+        """How many pending tokens ``req`` computes this step: within the budget and the per-request cap, and
+        never past the end of its prompt. A recompute (known outputs of a migrated request, a preempted
+        request) thus runs its prompt as a prompt and its outputs as an extend of output tokens, as the run
+        that produced them did (a fresh prompt's pass attends in fp32, an extend of outputs in float64:
+        kernels/attention.py); one pass over both attended the outputs in fp32, and the bf16 tokens drifted."""
+        n = min(req.num_pending, budget, self.prefill_chunk_tokens)
+        if req.num_computed < req.prompt_len:
+            n = min(n, req.prompt_len - req.num_computed)
+        return n
+
     def schedule(self) -> tuple[list[Request], list[tuple[Request, int]]]:
         """Returns (decode requests, [(prefill/extend request, number of new tokens)])."""
         decode: list[Request] = []
@@ -69,7 +80,7 @@ class Scheduler(BlockBook):
             req = self.running[i]
             pending = req.num_pending
             # a paused request only extends known tokens: always a chunk, never a decode (no sampling)
-            n = 1 if pending == 1 and not req.paused else min(pending, budget, self.prefill_chunk_tokens)
+            n = 1 if pending == 1 and not req.paused else self.chunk(req, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -99,7 +110,7 @@ class Scheduler(BlockBook):
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_pending, budget, self.prefill_chunk_tokens)
+            n = self.chunk(req, budget)
             prefill.append((req, n))
             budget -= n
         return decode, prefill
