@@ -3,7 +3,7 @@
 Issue #7 acceptance: "Live vs simulated TTFT p50/p90 within ±20% on a calibration hold-out run
 (tiny model, emulated WAN)".
 
-What runs (real processes, services/launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
+What runs (real processes, launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
 at site-a and main decode (MD) at site-b, on a tiny seeded model (or ``--model PATH``), one torch
 thread each. The WAN transport is zmq behind the in-process shaper (``--wan-rate``/``--wan-delay``).
 `pdd bench` (loadgen, called in-process) drives it open loop (Poisson arrivals, so TTFT includes
@@ -38,7 +38,7 @@ from typing import Any
 
 # Topology flags for the simulator, matching the live deployment started below:
 # - n_prefill=1: one prefill instance (p-0). In PDD the first token is sampled by P and streamed to
-#   the client at once (services/prefill.py publishes PrefillResult before any KV transfer; the
+#   the client at once (roles/prefill.py publishes PrefillResult before any KV transfer; the
 #   router does not hold it back: router.first_token_after_kv is false), so TTFT is P's queue plus
 #   P's service time plus the fixed request path (HTTP, tokenizer, router, NATS), all inside p0.
 # - first_token_from_prefill=True: for that reason; no decode step and no KV hand-over sit in TTFT.

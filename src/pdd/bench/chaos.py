@@ -14,7 +14,7 @@ scenario streams the same requests concurrently and injects its fault mid-stream
 - wan_cut: the WAN link blackholed for --wan-cut-s seconds while requests keep arriving (half of
   them forced onto P-MD, so their KV must cross the cut link).
 
-Two sites, each with its own nats-server (site B's a leaf node of site A's; services/launch/sites.py),
+Two sites, each with its own nats-server (site B's a leaf node of site A's; launch/sites.py),
 in network namespaces joined by the kernel WAN emulation when root (``--sites netns``), else two
 servers on this box (``--sites local``, labelled FALLBACK in the output):
 - nats_kill_a / nats_kill_b: ``kill -9`` of site A's / site B's nats-server mid-stream, restarted
@@ -52,7 +52,7 @@ the scenarios asked for can run, the benchmark refuses at once (exit 2, nothing 
 
 Why one module: it is one benchmark, read top to bottom (configuration, client, scenarios and their
 faults, verdict); every scenario shares the reference run, the load driver and the summary. The
-clusters it drives are the shared ones (services/launch/local_cluster.py, services/launch/sites.py).
+clusters it drives are the shared ones (launch/local_cluster.py, launch/sites.py).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ beside `pdd sim` of the same requests): python -m pdd.bench.pipelines --backend 
 Why one module: it is one benchmark, read top to bottom (setups, workload, drivers, figures,
 report); the parts share its per-request records and arguments and mean nothing apart. The client,
 position timing, statistics, metrics parser and cluster are the shared ones (loadgen/client.py,
-loadgen/positions.py, loadgen/stats.py, loadgen/scrape.py, services/launch/local_cluster.py).
+loadgen/positions.py, loadgen/stats.py, loadgen/scrape.py, launch/local_cluster.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   after the answer it builds on. The simulator applies the same rule to its own timeline (`SimInput.after`), so
   live and sim each hold turns back by their own answers. Before each run one request carrying the sessions'
   shared prefix warms the caches (not timed). Goodput probes are open loop (`open_loop`), in live and sim.
-- WAN: the scenario's link as `pdd up --emulate` shapes it (services/launch/emulate.py `wan_link`): per-flow
+- WAN: the scenario's link as `pdd up --emulate` shapes it (launch/emulate.py `wan_link`): per-flow
   rate / (KV scale x dilation), delay (latency + setup) x dilation; nothing is calibrated on any setup.
 - SLO: the scenario's (TTFT and TPOT = mean ITL, x dilation in wall seconds). Goodput = the highest rate at
   which >= the scenario's attainment of requests meet it, by geometric bisection over multiples of the

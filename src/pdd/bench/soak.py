@@ -3,7 +3,7 @@
 Issue #8 acceptance: "10-minute soak with random client aborts: after drain every instance reports
 100% KV blocks free; RSS growth <= 10% after warm-up".
 
-What runs (real processes, services/launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
+What runs (real processes, launch/local_cluster.py): nats-server, router, prefill (P), relay (RLD)
 and main decode (MD) on a tiny seeded model (or ``--model PATH``); the WAN transport is zmq behind
 the in-process shaper (``--wan-rate``/``--wan-delay``). The router chooses every pipeline itself; the
 policy thresholds below are scaled to the tiny model's 512 B/token KV so that the mix of prompts
@@ -33,7 +33,7 @@ leaked no block, no process grew more than --max-growth % (default 2), no reques
 Why one module: it is one benchmark, read top to bottom (configuration, request mix, outcomes,
 samplers, report); the parts share its tally and arguments. The client, the metrics parser and the
 cluster start/stop it uses are the shared ones (loadgen/client.py, loadgen/scrape.py,
-services/launch/local_cluster.py).
+launch/local_cluster.py).
 """
 
 from __future__ import annotations

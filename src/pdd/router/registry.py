@@ -100,7 +100,7 @@ class Registry:
     def _refuse_kv_layout(self, info: Announce) -> bool:
         """KV pages move between P, RLD and MD as raw bytes, so a fleet has one KV layout (dtype included).
 
-        An engine instance refuses to start into a fleet of another layout (services/engine_service.py);
+        An engine instance refuses to start into a fleet of another layout (roles/engine_service.py);
         this catches two that start at once: the one whose layout differs from those already known gets
         no work, logged once with both dtypes.
         """

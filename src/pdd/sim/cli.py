@@ -17,7 +17,7 @@ import numpy as np
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="sim_command", metavar="ACTION")
     run = sub.add_parser("run", help="simulate one system of a scenario at one offered rate")
-    run.add_argument("--scenario", default="report", help="YAML path or a name under sim/scenarios")
+    run.add_argument("--scenario", default="report", help="YAML path or the name of a packaged scenario (pdd/scenarios: report, small)")
     run.add_argument("--system", default="pdd")
     run.add_argument("--rate", type=float, required=True, help="offered requests/s")
     run.add_argument("--num-requests", type=int, default=None)

@@ -26,7 +26,7 @@ Why one module: the request table, the staging reservations and the hand-over to
 (each call moves a request between importing, held, queued for vLLM and running in it); split, every half
 would reach into the others' entries.
 
-Threading: as every backend, called from one thread (services/engine_runner.py); vLLM's engine core runs
+Threading: as every backend, called from one thread (roles/engine_runner.py); vLLM's engine core runs
 in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) in the same thread, inside ``step``.
 """
 
