@@ -106,3 +106,10 @@ def test_the_chosen_backends_keys_are_typed_and_env_overrides_them(tmp_path) -> 
         emulated = _config(tmp_path, "model: {backend: emulated}\nemulation: {scenario: small}\n",
                            {"PDD__EMULATION__TIME_DILATION": "3"})
         assert emulated.engine_section().scenario == "small" and emulated.engine_section().time_dilation == 3.0
+
+
+def test_a_backend_section_that_is_not_a_mapping_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="emulation"):
+        _config(tmp_path, "model: {backend: emulated}\nemulation: 5\n")
+    empty = _config(tmp_path, "model: {backend: emulated}\nemulation:\n")  # an empty section: its defaults
+    assert empty.engine_section().scenario == "report"

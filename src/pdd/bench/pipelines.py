@@ -62,13 +62,14 @@ from pdd.loadgen.positions import PositionTimes
 from pdd.loadgen.stats import Bisection, bisect_geometric, highest_passing, mean_ci95, pct
 from pdd.loadgen.workload import WORDS as _WORDS  # one-token English words
 from pdd.launch.local_cluster import LocalCluster, two_site_layout
+from pdd.launch.emulate import BACKEND as EMULATED_BACKEND
 from pdd.shared.engines import DEFAULT_ENGINE, engine_plugins
 from pdd.shared.pipelines import Pipeline
 
 TARGET_RATIO, RATIO_TOLERANCE = 1.6, 0.1  # the report: naive P50 TTFT 6.7 s / same-site 4.2 s
 SLO_SHARE = 0.9  # goodput: the share of requests that must meet the SLO
 BACKENDS = tuple(sorted(engine_plugins()))
-EMULATED = "emulated"  # --backend emulated: the report-scale comparison, its own program (pipelines_emulated)
+EMULATED = EMULATED_BACKEND  # --backend emulated: the report-scale comparison, its own program (pipelines_emulated)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pdd.engine import SamplingParams
     from pdd.engine.vllm_backend.engine import VllmEngine
+    from pdd.engine.vllm_backend.plugin import PLUGIN as VLLM_PLUGIN
     from pdd.launch.local_cluster import LocalCluster, two_site_layout
 
     from pdd.shared.pipelines import HandoffMode, Pipeline
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"one vLLM engine, all at once: {report['setups']['one_vllm_batched']}", flush=True)
 
     config = {
-        "model": {"backend": "vllm", "path": "default", "dtype": args.dtype, "kv_memory_mb": 256,
+        "model": {"backend": VLLM_PLUGIN.name, "path": "default", "dtype": args.dtype, "kv_memory_mb": 256,
                   "block_size": 32, "max_num_seqs": 32, "threads": 1},
         **two_site_layout(),
         "transports": {"fast": {"name": "zmq", "options": {}},

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdd.engine.emulated_backend import profile as emulation
+from pdd.engine.emulated_backend.plugin import PLUGIN as EMULATED_PLUGIN
 from pdd.engine.emulated_backend.settings import EmulationSettings
 from pdd.shared.config import ConfigError
 from pdd.shared.roles import Role
 
-BACKEND = "emulated"  # the engine backend (entry point) every role runs
+BACKEND = EMULATED_PLUGIN.name  # the engine backend every role runs
 SYSTEM = "pdd"  # the scenario's system `pdd up` emulates: P and RLD on site A's chips, MD on site B's
 CHUNK_TOKENS = 16384  # tokens one step prefills (vLLM-class chunked prefill on a datacenter GPU)
 _SPLIT_ROLE = {Role.PREFILL: "prefill", Role.RELAY: "relay", Role.MAIN_DECODE: "decode"}

@@ -330,7 +330,7 @@ class PDDConfig(_Strict):
         plugin = engine_plugin(self.model.backend)
         if plugin.section is None or plugin.section_settings is None:
             return None
-        return plugin.section_settings(**(self.model_extra or {}).get(plugin.section, {}))
+        return plugin.section_settings.model_validate((self.model_extra or {}).get(plugin.section) or {})
 
     @model_validator(mode="after")
     def _consistent(self) -> "PDDConfig":

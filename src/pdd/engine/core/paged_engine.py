@@ -24,7 +24,7 @@ from pdd.engine.core.radix_cache import CacheEvent, RadixCache
 from pdd.engine.core.request import ImportReservation, Request, Status, StepOutput
 from pdd.engine.core.sampling_params import SamplingParams
 from pdd.engine.core.scheduler import DEFAULT_PREFILL_CHUNK_TOKENS, Scheduler
-from pdd.engine.core.validation import check_max_new_tokens, check_new_request, check_token_ids, checked_params
+from pdd.engine.core.validation import check_commit, check_new_request, check_token_ids, checked_params
 from pdd.shared.kv_layout import KVLayout
 
 if TYPE_CHECKING:
@@ -228,14 +228,7 @@ class PagedEngine(abc.ABC):
         one extend pass over them, then decoding continues.
         """
         req = self._get(rid)
-        if req.status is not Status.IMPORTING:
-            raise EngineInputError(f"request {rid!r} is not awaiting an import")
-        if list(prompt_ids) != req.prompt_ids:
-            raise EngineInputError(f"commit_import for {rid!r}: prompt differs from prepare_import")
-        if not output_ids_so_far:
-            raise EngineInputError("output_ids_so_far must hold at least the first generated token")
-        check_max_new_tokens(max_new_tokens)
-        check_token_ids(output_ids_so_far, self.vocab_size, "outputs so far")
+        check_commit(req, prompt_ids, output_ids_so_far, max_new_tokens, self.vocab_size)
         req.params = checked_params(params)
         req.max_new_tokens = max_new_tokens
         req.num_computed = req.prompt_len

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 
 from pdd.engine.core.errors import DuplicateRequestError, EmptyPromptError, EngineInputError, PromptTooLongError
+from pdd.engine.core.request import Request, Status
 from pdd.engine.core.sampling_params import SamplingParams
 
 
@@ -37,6 +38,20 @@ def check_new_request(rid: str, prompt_ids: Sequence[object], in_use: Container[
         raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the context limit is {max_context} "
                                  "(prompt plus at least one generated token)")
     check_max_new_tokens(max_new_tokens)
+
+
+def check_commit(req: Request, prompt_ids: Sequence[object], output_ids_so_far: Sequence[object],
+                 max_new_tokens: object, vocab_size: int) -> None:
+    """``commit_import``: ``req`` awaits an import of this very prompt, and the outputs so far (at least P's
+    first token) and ``max_new_tokens`` are valid."""
+    if req.status is not Status.IMPORTING:
+        raise EngineInputError(f"request {req.rid!r} is not awaiting an import")
+    if list(prompt_ids) != req.prompt_ids:
+        raise EngineInputError(f"commit_import for {req.rid!r}: prompt differs from prepare_import")
+    if not output_ids_so_far:
+        raise EngineInputError("output_ids_so_far must hold at least the first generated token")
+    check_max_new_tokens(max_new_tokens)
+    check_token_ids(output_ids_so_far, vocab_size, "outputs so far")
 
 
 def checked_params(params: SamplingParams | None) -> SamplingParams:

@@ -123,6 +123,7 @@ class EmulatedEngine(PagedEngine):
         enable_prefix_cache: bool = True,
         cache_finished: bool = True,
         write_kv: bool = True,
+        profile: dict[str, Any] | None = None,
     ) -> None:
         """``time_dilation`` k: every modeled duration is multiplied by k (k > 0). Other arguments: as
         ``PagedEngine`` (pool, scheduler, cache) and the module docstring (oracle, KV layout)."""
@@ -145,7 +146,7 @@ class EmulatedEngine(PagedEngine):
                          prefill_chunk_tokens=prefill_chunk_tokens, enable_prefix_cache=enable_prefix_cache,
                          cache_finished=cache_finished)
         self.write_kv = write_kv
-        self.profile: dict[str, Any] = {}  # what it emulates, for the startup log (profile.py's build_engine)
+        self.profile = profile or {}  # what it emulates (profile.py's EmulatedProfile.describe), for describe()
         # pacing counters (stats())
         self.steps = 0
         self.overrun_steps = 0

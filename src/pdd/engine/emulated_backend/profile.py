@@ -111,13 +111,11 @@ def build_engine(config: PDDConfig, role: str, cache_finished: bool) -> Emulated
     section, model_keys = config.engine_section(), config.engine_settings()
     assert isinstance(section, EmulationSettings) and isinstance(model_keys, EmulatedModelSettings)
     prof = profile(section, role)
-    engine = EmulatedEngine(**engine_kwargs(
+    return EmulatedEngine(**engine_kwargs(
         section, prof, load_tokenizer(resolve_model_path(m.path)), block_size=m.block_size,
         max_num_seqs=m.max_num_seqs, max_prefill_tokens=m.max_prefill_tokens,
         prefill_chunk_tokens=model_keys.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS,
-        enable_prefix_cache=m.enable_prefix_cache, cache_finished=cache_finished))
-    engine.profile = prof.describe()
-    return engine
+        enable_prefix_cache=m.enable_prefix_cache, cache_finished=cache_finished), profile=prof.describe())
 
 
 def preflight(config: PDDConfig) -> str:

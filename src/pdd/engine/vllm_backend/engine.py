@@ -48,7 +48,7 @@ from pdd.engine.core.kv_pool import KVPool
 from pdd.engine.core.radix_cache import CacheEvent, RadixCache
 from pdd.engine.core.request import ImportReservation, Request, Status, StepOutput
 from pdd.engine.core.sampling_params import SamplingParams
-from pdd.engine.core.validation import check_max_new_tokens, check_new_request, check_token_ids, checked_params
+from pdd.engine.core.validation import check_commit, check_new_request, check_token_ids, checked_params
 from pdd.shared.kv_layout import KVLayout
 from pdd.shared.model_files import cache_dir
 from pdd.shared.protocol import TokenLogprobs
@@ -277,14 +277,7 @@ class VllmEngine:
                       params: SamplingParams | None = None, max_new_tokens: int = 16) -> None:
         entry = self._get(rid)
         req = entry.req
-        if req.status is not Status.IMPORTING:
-            raise EngineInputError(f"request {rid!r} is not awaiting an import")
-        if list(prompt_ids) != req.prompt_ids:
-            raise EngineInputError(f"commit_import for {rid!r}: prompt differs from prepare_import")
-        if not output_ids_so_far:
-            raise EngineInputError("output_ids_so_far must hold at least the first generated token")
-        check_max_new_tokens(max_new_tokens)
-        check_token_ids(output_ids_so_far, self.vocab_size, "outputs so far")
+        check_commit(req, prompt_ids, output_ids_so_far, max_new_tokens, self.vocab_size)
         req.params, req.max_new_tokens = checked_params(params), max_new_tokens
         req.tokens.extend(int(t) for t in output_ids_so_far)
         req.status = Status.RUNNING
