@@ -74,9 +74,12 @@ def test_deterministic_with_seed():
 
 
 def test_policy_routes_low_hits_via_relay_and_anomalous_locally():
+    """With clients that send their true output length as max_tokens (the `output` rule), the anomalous rule
+    sees it and finishes those requests on the relay."""
     from pdd.shared.policy import PolicyConfig
 
     inp = _input("pdd", n=400, out=600, policy=PolicyConfig(anomalous_min_prompt_tokens=4000))
+    inp = replace(inp, route_max_tokens=inp.output)
     r = simulate(inp)
     hit = inp.cached / inp.prompt
     anomalous = inp.output < 500
@@ -85,6 +88,22 @@ def test_policy_routes_low_hits_via_relay_and_anomalous_locally():
     assert relayed.any() and hit[relayed].max() < hit[~relayed & ~anomalous].max()
     assert 0 < r.tokens_relay < r.tokens_main
     assert r.wan_bytes < 0.5 * r.wan_bytes_naive  # decode-side cache: only misses cross the WAN
+
+
+def test_router_never_reads_the_output_length():
+    """Without max_tokens from the client, the router knows only the model's room: the same short outputs that
+    the anomalous rule catches when sent as max_tokens now look like any other request."""
+    from pdd.shared.policy import PolicyConfig
+
+    inp = _input("pdd", n=400, out=600, policy=PolicyConfig(anomalous_min_prompt_tokens=4000))
+    short = inp.output < 500
+    assert short.any()
+    r = simulate(inp)
+    assert not np.any(r.pipeline == P_RLD)
+    assert np.any(simulate(replace(inp, route_max_tokens=inp.output)).pipeline[short] == P_RLD)
+    # a room the request cannot fill: the router assumes max_context_tokens - prompt, never the output
+    tight = simulate(replace(inp, max_context_tokens=int(inp.prompt.max()) + 100))
+    assert np.all(tight.pipeline[inp.prompt >= 4000] == P_RLD)
 
 
 def test_report_scenario_builds_every_system():

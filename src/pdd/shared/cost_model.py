@@ -47,6 +47,7 @@ class ModelSpec:
     experts: int = 0  # routed experts per layer (0 = dense)
     experts_active: int = 0
     expert_weight_fraction: float = 0.0  # share of weight_bytes that is routed experts
+    max_context_tokens: int = 131072  # the served context: a router's only bound on output when none is sent
 
     @property
     def flops_per_token(self) -> float:

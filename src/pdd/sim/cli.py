@@ -33,6 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--out-dir", default="sim_out", help="where the PNGs and JSON go")
     rep.add_argument("--seed", type=int, default=1)
 
+    tr = sub.add_parser("trace", help="a production trace (Mooncake JSONL) through baseline, naive and PDD")
+    tr.add_argument("trace", help="trace file: one JSON object per line (timestamp, input_length, output_length, "
+                                  "hash_ids; optional session_id, max_tokens)")
+    tr.add_argument("--scenario", default="report", help="deployment: YAML path or a packaged scenario name")
+    tr.add_argument("--rate-scale", type=float, default=1.0,
+                    help="offered rate as a multiple of the trace's own (2 = timestamps halved)")
+    tr.add_argument("--max-tokens", default="none",
+                    help="what clients send: none (default: the router knows only the model's context), output "
+                         "(the trace's output length, an oracle), or a cap N")
+    tr.add_argument("--trace-block-tokens", type=int, default=512,
+                    help="tokens per trace block (512 as recorded; smaller to scale prompts down)")
+    tr.add_argument("--num-prompts", type=int, default=None, help="the first N requests (default: all)")
+    tr.add_argument("--seed", type=int, default=1)
+    tr.add_argument("--out", default=None, help="also write the JSON result to this file")
+
     cal = sub.add_parser("calibrate", help="fit cost-model coefficients to bench JSON; predict another run")
     cal.add_argument("--fit", nargs="+", required=True, help="pdd bench JSON files to fit on")
     cal.add_argument("--predict", required=True, help="hold-out pdd bench JSON to predict")
@@ -55,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
         return _report(args)
     if action == "calibrate":
         return _calibrate(args)
-    print("usage: pdd sim {run,report,calibrate} ...", file=sys.stderr)
+    if action == "trace":
+        return _trace(args)
+    print("usage: pdd sim {run,report,trace,calibrate} ...", file=sys.stderr)
     return 2
 
 
@@ -153,6 +170,46 @@ def _report(args: argparse.Namespace) -> int:
     result = {f: figs[f] for f in FIGURES}
     (out_dir / "report.json").write_text(json.dumps(np_clean({**figs, "sensitivity": rows}), indent=1))
     print(json.dumps(np_clean(result)))
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from pdd.loadgen.trace import MaxTokensRule, read_trace, trace_arrays
+
+    from .report import np_clean
+    from .scenario import Scenario, load_yaml
+    from .trace_report import trace_figures
+
+    if args.rate_scale <= 0:
+        print(f"pdd sim trace: --rate-scale must be > 0 (got {args.rate_scale})", file=sys.stderr)
+        return 2
+    if args.trace_block_tokens < 1:
+        print(f"pdd sim trace: --trace-block-tokens must be >= 1 (got {args.trace_block_tokens})", file=sys.stderr)
+        return 2
+    try:
+        rule = MaxTokensRule.parse(args.max_tokens)
+        reqs = read_trace(args.trace, args.num_prompts)
+        data = load_yaml(args.scenario)
+        scn = Scenario.from_dict(data)
+    except (ValueError, OSError) as exc:
+        print(f"pdd sim trace: {exc}", file=sys.stderr)
+        return 2
+    arrays = trace_arrays(reqs, rule, scn.model.max_context_tokens, args.trace_block_tokens)
+    if len(arrays) == 0:
+        print(f"pdd sim trace: every request is longer than the model's context "
+              f"({scn.model.max_context_tokens} tokens)", file=sys.stderr)
+        return 2
+    figs = trace_figures(data, arrays, rule, args.rate_scale, args.seed)
+    figs = {"trace": Path(args.trace).name, "scenario": args.scenario, **figs}
+    for name, row in figs["systems"].items():
+        print(f"{name:>9}: goodput {figs['goodput_rps'][name]:.3g} req/s at split {figs['splits'][name]}; "
+              f"at {figs['comparison_rate_rps']:.3g} req/s: TTFT mean {row['mean_ttft_s']:.3g} s, "
+              f"p90 {row['p90_ttft_s']:.3g} s; WAN {row['wan_gbytes']:.4g} GB; hit P {row['mean_hit_p']:.3f}")
+    print(f"skipped (longer than the context): {figs['skipped_too_long']}; max_tokens rule: {figs['max_tokens_rule']}")
+    line = json.dumps(np_clean(figs))
+    if args.out:
+        Path(args.out).write_text(line)
+    print(line)
     return 0
 
 

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdd.scenarios import WanLink
+from pdd.shared.config import ModelConfig
 from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import HandoffMode, Pipeline
-from pdd.shared.policy import PolicyConfig, RouteInputs, choose_handoff_mode, choose_pipeline
+from pdd.shared.policy import PolicyConfig, RouteInputs, choose_handoff_mode, choose_pipeline, instance_cost
 
-from pdd.scenarios import WanLink
+from .prefix_cache import BlockCache
 
 # Pipeline codes in results: PDD's pipelines, and the baselines' conventional prefill -> decode path.
 P_MD, P_RLD_MD, P_RLD, P_D = 0, 1, 2, 3
@@ -76,6 +78,18 @@ class SimInput:
     # per request, the request whose end (completed or failed) it waits for before it arrives, -1 for none: an
     # agent sends a session's next turn only after its previous answer; None: every request arrives on time
     after: np.ndarray | None = None
+    # what the router knows of each request's output: the max_tokens its client sent, else the model's room
+    # (max_context_tokens - prompt); never the output length itself, which no live router knows in advance
+    route_max_tokens: np.ndarray | None = None
+    max_context_tokens: int = 131072
+    # each prompt's block-hash chain (a trace's hash_ids): P's and MD's prefix caches are then simulated per
+    # instance and placement follows the router's cost, so hits come from the traffic and `cached`/`md_cached`
+    # are not read; None: hits are the `cached` column (a workload that states its hit distribution)
+    chains: list[tuple[int, ...]] | None = None
+    block_tokens: int = 512
+    prefill_cache_tokens: int | None = None  # one P instance's cache (None: its KV capacity)
+    # the live router's load figure is requests in flight over this (the engines' max_num_seqs default)
+    load_norm_seqs: int = ModelConfig.model_fields["max_num_seqs"].default
 
 
 @dataclass
@@ -87,6 +101,11 @@ class SimResult:
     ok: np.ndarray
     pipeline: np.ndarray
     output: np.ndarray
+    prompt: np.ndarray
+    p_cached: np.ndarray  # prompt tokens P held (simulated cache, or the input column)
+    md_cached: np.ndarray  # prompt tokens MD held when the router chose (0 where no decode-side cache)
+    p_evictions: int  # blocks the simulated P caches evicted (0 without chains)
+    md_evictions: int  # blocks the simulated MD caches evicted
     wan_bytes: float
     wan_bytes_naive: float  # what the same requests would move without any decode-side cache
     wan_bandwidth_gbps: float
@@ -171,11 +190,11 @@ class _Run:
 
         # --- prefill: FIFO per instance, join the earliest-free instance ---------------------------
         pc = inp.prefill
+        noise = (np.random.default_rng(inp.seed + 7919).choice(np.asarray(pc.p_noise), n) if pc.p_noise
+                 else np.ones(n))  # own stream: the other draws stay as they were
+        self.noise_l = noise.tolist()
         new = (prompt - cached).astype(float)
-        service = pc.p0 + pc.p_tok * new + pc.p_attn * new * (cached + new / 2)
-        if pc.p_noise:  # own stream: the other draws stay as they were
-            service = service * np.random.default_rng(inp.seed + 7919).choice(np.asarray(pc.p_noise), n)
-        self.svc_l = service.tolist()
+        self.svc_l = ((pc.p0 + pc.p_tok * new + pc.p_attn * new * (cached + new / 2)) * noise).tolist()
         self.arr_l = arrivals.tolist()  # becomes the actual arrival of a request held back by `after`
         after_l = [-1] * n if inp.after is None else np.asarray(inp.after, dtype=np.int64).tolist()
         self.waiters: dict[int, list[int]] = {}  # request -> the requests that arrive once it ended
@@ -185,6 +204,8 @@ class _Run:
         self.on_time = [rid for rid in np.argsort(arrivals, kind="stable").tolist() if after_l[rid] < 0]
         self.prefill_free = [(0.0, i) for i in range(max(1, inp.n_prefill))]
         heapq.heapify(self.prefill_free)
+        room = inp.max_context_tokens - prompt
+        self.route_mt_l = (room if inp.route_max_tokens is None else np.asarray(inp.route_max_tokens)).tolist()
 
         # --- per-request state ----------------------------------------------------------------------
         self.prompt_l, self.cached_l, self.out_l = prompt.tolist(), cached.tolist(), output.tolist()
@@ -237,6 +258,19 @@ class _Run:
         self.rdma_bps = inp.rdma_gbps * 1e9 / 8
         self.stall_v: list[float] = []
 
+        # --- simulated prefix caches (when the workload has block chains) -----------------------------
+        self.chains = inp.chains
+        bt = self.block_tokens = inp.block_tokens
+        p_cap = inp.prefill_cache_tokens if inp.prefill_cache_tokens is not None else pc.kv_capacity_tokens
+        self.p_caches = [BlockCache(p_cap // bt) for _ in range(max(1, inp.n_prefill))] if self.chains else []
+        self.p_free_at = [0.0] * len(self.p_caches)  # per P instance: when its FIFO queue drains
+        self.p_queued = [0] * len(self.p_caches)  # requests routed to it and not yet prefilled (its load)
+        self.req_p = [0] * n
+        drc_caches = bool(self.chains) and inp.drc and inp.kind == "pdd"
+        self.md_caches = {i.gid: BlockCache(i.cap // bt) for i in self.pools[0]} if drc_caches else {}
+        self.md_pin: list = [None] * n  # the MD instance the router chose (its cache got the hit)
+        self.inst_wait: dict[int, list] = {gid: [] for gid in self.md_caches}  # FIFO per pinned MD instance
+
 
 def _transfer_ops(run: _Run):
     """Arrivals, request ends and the WAN/RDMA transfers, as closures over the run's lists (cell reads are
@@ -260,6 +294,9 @@ def _transfer_ops(run: _Run):
         end = (now if now > t_free else t_free) + svc_l[rid]
         heappush(prefill_free, (end, i))
         heappush(events, (end, next(seq), _PREFILLED, rid, 0))
+
+    if run.chains:
+        arrive = _cached_arrive(run)
 
     def wan_transfer(rid: int, nbytes: float, ready: float) -> float:
         t_free = heappop(wan_flows)
@@ -286,6 +323,37 @@ def _transfer_ops(run: _Run):
     return ended, arrive, wan_transfer, cancel_wan_transfer, rdma_time
 
 
+def _cached_arrive(run: _Run):
+    """Arrival with simulated P caches: the router's own cost (`instance_cost`: tokens still to prefill plus
+    load) picks the P instance; the prefill then costs what that instance's cache leaves, and the prompt's
+    blocks are in its cache for the requests queued behind it (FIFO per instance)."""
+    events, seq, arr_l, chains, prompt_l, cached_l, noise_l = (
+        run.events, run.seq, run.arr_l, run.chains, run.prompt_l, run.cached_l, run.noise_l)
+    p_caches, p_free_at, p_queued, req_p, bt, norm = (
+        run.p_caches, run.p_free_at, run.p_queued, run.req_p, run.block_tokens, float(run.inp.load_norm_seqs))
+    pc = run.inp.prefill
+    heappush = heapq.heappush
+
+    def arrive(rid: int, now: float) -> None:
+        arr_l[rid] = now
+        chain, n = chains[rid], prompt_l[rid]
+        best_cost, i, hit = math.inf, 0, 0
+        for k, cache in enumerate(p_caches):
+            held = min(cache.match(chain) * bt, n - 1)
+            cost = instance_cost(held, n, min(1.0, p_queued[k] / norm))
+            if cost < best_cost:
+                best_cost, i, hit = cost, k, held
+        p_caches[i].insert(chain)
+        cached_l[rid], req_p[rid] = hit, i
+        p_queued[i] += 1
+        new = n - hit
+        end = max(now, p_free_at[i]) + (pc.p0 + pc.p_tok * new + pc.p_attn * new * (hit + new / 2)) * noise_l[rid]
+        p_free_at[i] = end
+        heappush(events, (end, next(seq), _PREFILLED, rid, 0))
+
+    return arrive
+
+
 def _decode_ops(run: _Run, ended, cancel_wan_transfer):
     """Decode-side helpers as closures over the run's lists: reservations (power of two choices, FIFO
     when full), batch joins, stops and finishes. Returns (set_reserved, schedule, join, remove,
@@ -297,6 +365,8 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
     req_inst, req_term, req_join, req_jid, md_res, finished, cancelled = (
         run.req_inst, run.req_term, run.req_join, run.req_jid, run.md_res, run.finished, run.cancelled)
     wan = run.wan
+    md_caches, md_pin, inst_wait, chains, bt = run.md_caches, run.md_pin, run.inst_wait, run.chains, run.block_tokens
+    release_pinned = None  # set below, once `start` exists (see _md_cache_ops)
     heappush, heappop = heapq.heappush, heapq.heappop
     pick_i = [0]
 
@@ -315,6 +385,9 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
     def set_reserved(inst: _Inst, delta: int) -> None:
         inst.reserved += delta
         pool_reserved[inst.pool] += delta
+        cache = md_caches.get(inst.gid) if inst.pool == 0 else None
+        if cache is not None:  # MD's cache lives in MD's memory: what requests reserve is not cache
+            cache.shrink((inst.cap - inst.reserved) // bt)
 
     def schedule(inst: _Inst, now: float) -> None:
         h = inst.heap
@@ -365,6 +438,9 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
             heappush(events, (now + (wan.latency_s if wan else 0.0), next(seq), _HANDOFF, rid, 0))
 
     def release_check(pool: int, now: float) -> None:
+        if pool == 0 and inst_wait:
+            for inst in pools[0]:
+                release_pinned(inst, now)
         q = waiting[pool]
         while wait_head[pool] < len(q):
             rid, kind = q[wait_head[pool]]
@@ -379,10 +455,19 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
             start(rid, kind, inst, now)
 
     def admit(rid: int, pool: int, kind: int, now: float) -> None:
-        """Reserve a lightly loaded instance that fits, else queue FIFO; a request that can never fit fails."""
+        """Reserve a lightly loaded instance that fits, else queue FIFO; a request that can never fit fails.
+        A request the router placed on one main decoder (its cache) waits for that one."""
         if not pools[pool] or need_l[rid] > cap[pool]:
             finished[rid] = True  # cannot ever fit: counted failed
             ended(rid, now)
+            return
+        pin = md_pin[rid] if pool == 0 else None
+        if pin is not None:
+            if inst_wait[pin.gid] or pin.reserved + need_l[rid] > pin.cap:
+                inst_wait[pin.gid].append((rid, kind))
+            else:
+                set_reserved(pin, need_l[rid])
+                start(rid, kind, pin, now)
             return
         inst = best(pool, need_l[rid]) if wait_head[pool] == len(waiting[pool]) else None
         if inst is None:
@@ -404,9 +489,46 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
         ok[rid] = True
         finish[rid] = now
         set_reserved(inst, -need_l[rid])
+        cache = md_caches.get(inst.gid) if inst.pool == 0 else None
+        if cache is not None:  # the finished request's blocks stay cached (evictable)
+            cache.insert(chains[rid])
         ended(rid, now)
 
-    return set_reserved, schedule, join, remove, release_check, admit, complete
+    release_pinned, pick_md = _md_cache_ops(run, set_reserved, start)
+    return set_reserved, schedule, join, remove, release_check, admit, complete, pick_md
+
+
+def _md_cache_ops(run: _Run, set_reserved, start):
+    """Main decoders with simulated caches: the router's choice of one (its cache got the hit), and the FIFO of
+    requests waiting for that very instance. Returns (release_pinned, pick_md)."""
+    pools, inst_wait, need_l, cancelled = run.pools, run.inst_wait, run.need_l, run.cancelled
+    md_caches, chains, bt = run.md_caches, run.chains, run.block_tokens
+
+    def release_pinned(inst: _Inst, now: float) -> None:
+        """Start the requests waiting for this very instance (its cache got their hit) while they fit."""
+        q = inst_wait[inst.gid]
+        while q:
+            rid, kind = q[0]
+            if cancelled[rid]:
+                q.pop(0)
+                continue
+            if inst.reserved + need_l[rid] > inst.cap:
+                return
+            q.pop(0)
+            set_reserved(inst, need_l[rid])
+            start(rid, kind, inst, now)
+
+    def pick_md(rid: int, n_prompt: int) -> tuple[_Inst, int]:
+        """The main decoder the router would choose: `instance_cost` over each one's cached prefix and load."""
+        chain, best_inst, best_cost, hit = chains[rid], None, math.inf, 0
+        for inst in pools[0]:
+            held = min(md_caches[inst.gid].match(chain) * bt, n_prompt - 1)
+            cost = instance_cost(held, n_prompt, min(1.0, inst.reserved / inst.cap) if inst.cap else 1.0)
+            if cost < best_cost:
+                best_inst, best_cost, hit = inst, cost, held
+        return best_inst, hit
+
+    return release_pinned, pick_md
 
 
 def _catch_up_time(md: _Inst, rld: _Inst, pending: int, lat: float, final_gap: float) -> float:
@@ -426,14 +548,16 @@ def _loop(run: _Run) -> tuple[int, float]:
     that). Returns (events handled, WAN bytes the requests would move without any decode-side cache)."""
     inp, pol, kvb, wan = run.inp, run.inp.policy, run.kvb, run.wan
     ended, arrive, wan_transfer, _, rdma_time = xfer = _transfer_ops(run)
-    set_reserved, schedule, join, remove, release_check, admit, complete = _decode_ops(run, ended, xfer[3])
+    set_reserved, schedule, join, remove, release_check, admit, complete, pick_md = _decode_ops(run, ended, xfer[3])
     events, seq, arr_l, on_time, insts, wan_bytes, stall_v = (
         run.events, run.seq, run.arr_l, run.on_time, run.insts, run.wan_bytes, run.stall_v)
     prompt_l, cached_l, md_cached_l, out_l, need_l, first, finish, ok, pipe = (
         run.prompt_l, run.cached_l, run.md_cached_l, run.out_l, run.need_l, run.first, run.finish, run.ok, run.pipe)
     req_inst, req_join, req_jid, md_res, finished, cancelled, rld_tokens = (
         run.req_inst, run.req_join, run.req_jid, run.md_res, run.finished, run.cancelled, run.rld_tokens)
-    pool_reserved, pool_cap = run.pool_reserved, run.pool_cap
+    pool_reserved, pool_cap, route_mt_l, md_pin, md_caches = (
+        run.pool_reserved, run.pool_cap, run.route_mt_l, run.md_pin, run.md_caches)
+    p_queued, req_p = run.p_queued, run.req_p
     heappush, heappop = heapq.heappush, heapq.heappop
     n_events = 0
     wan_naive = 0.0
@@ -458,6 +582,8 @@ def _loop(run: _Run) -> tuple[int, float]:
             arrive(a, now)
         elif kind == _PREFILLED:  # route the request
             rid = a
+            if p_queued:
+                p_queued[req_p[rid]] -= 1
             if ftfp:
                 first[rid] = now
             full = prompt_l[rid] * kvb
@@ -469,8 +595,10 @@ def _loop(run: _Run) -> tuple[int, float]:
                 heappush(events, (wan_transfer(rid, full, now), next(seq), _KV_READY, rid, 0))
                 continue
             load = pool_reserved[1] / pool_cap[1] if rld_available and pool_cap[1] else 0.0
+            if md_caches:
+                md_pin[rid], md_cached_l[rid] = pick_md(rid, prompt_l[rid])
             dec = choose_pipeline(RouteInputs(
-                prompt_tokens=prompt_l[rid], max_tokens=out_l[rid], p_cached_tokens=cached_l[rid],
+                prompt_tokens=prompt_l[rid], max_tokens=route_mt_l[rid], p_cached_tokens=cached_l[rid],
                 md_cached_tokens=md_cached_l[rid], kv_bytes_per_token=int(kvb),
                 wan_bandwidth_bps=route_bps, rld_available=rld_available, rld_load=load,
             ), pol)
@@ -583,6 +711,8 @@ def _result(run: _Run, n_events: int, wan_naive: float) -> SimResult:
     stall_v = run.stall_v
     return SimResult(
         arrival=arr, ttft=ttft, tpot=tpot, e2e=e2e, ok=ok_a, pipeline=np.array(run.pipe), output=output,
+        prompt=np.array(run.prompt_l), p_cached=np.array(run.cached_l), md_cached=np.array(run.md_cached_l),
+        p_evictions=sum(c.evicted for c in run.p_caches), md_evictions=sum(c.evicted for c in run.md_caches.values()),
         wan_bytes=wan_bytes, wan_bytes_naive=wan_naive, wan_bandwidth_gbps=bw, makespan=makespan,
         tokens_relay=tokens_relay, tokens_main=tokens_main,
         itl_values=np.array(iv + stall_v), itl_weights=np.array(iw + [1.0] * len(stall_v)), events=n_events,

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from .event_loop import PIPELINE_NAMES, SimResult
+from .event_loop import P_MD, P_RLD_MD, PIPELINE_NAMES, SimResult
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,18 @@ def summary(r: SimResult, slo: Slo) -> dict[str, float | int | dict]:
         "wan_bytes_ratio_vs_full_kv": r.wan_bytes / r.wan_bytes_naive if r.wan_bytes_naive else float("nan"),
         "rld_token_share": r.tokens_relay / max(1.0, r.tokens_relay + r.tokens_main),
         "pipeline_mix": mix,
+        **hit_rates(r),
     }
+
+
+def hit_rates(r: SimResult) -> dict[str, float]:
+    """Token-weighted prefix hits: at P over every request, at MD over the requests routed to MD (0 where no
+    decode-side cache, NaN where none went there)."""
+    to_md = (r.pipeline == P_MD) | (r.pipeline == P_RLD_MD)
+    md_prompt = float(r.prompt[to_md].sum())
+    return {"mean_hit_p": float(r.p_cached.sum()) / max(1.0, float(r.prompt.sum())),
+            "mean_hit_md": float(r.md_cached[to_md].sum()) / md_prompt if md_prompt else float("nan"),
+            "p_cache_evictions": r.p_evictions, "md_cache_evictions": r.md_evictions}
 
 
 def goodput(run_at: Callable[[float], SimResult], slo: Slo, hi: float, iters: int = 9,

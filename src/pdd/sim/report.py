@@ -9,6 +9,9 @@ import numpy as np
 
 from .event_loop import SimResult, simulate
 from .metrics import Slo, goodput, summary
+from pdd.loadgen.trace import TraceArrays
+from pdd.loadgen.workload import Workload
+
 from .scenario import Scenario, set_path, stage_capacity, unit_poisson
 
 FIGURES = ("ttft_reduction", "goodput_gain", "hw_cost_change", "wan_bandwidth_ratio", "rld_token_share")
@@ -45,25 +48,36 @@ SENSITIVITY: tuple[tuple[str, tuple[Any, ...]], ...] = (
 
 
 class Reproduction:
-    """Runs the three systems of a scenario and derives the report's figures from them."""
+    """Runs the three systems of a scenario and derives the report's figures from them. With a trace, the
+    trace's requests replace the scenario's workload: its arrivals are the unit (rate = the trace's own
+    mean rate reproduces its timestamps) and its block chains drive the simulated caches."""
 
     def __init__(self, data: dict[str, Any], n: int | None = None, seed: int = 1,
-                 splits: dict[str, dict[str, int]] | None = None) -> None:
+                 splits: dict[str, dict[str, int]] | None = None, trace: TraceArrays | None = None) -> None:
         self.data = data
         self.scn = Scenario.from_dict(data)
         self.slo = Slo(**data.get("slo", {}))
-        self.wl = self.scn.arrays(n)
-        self.unit = unit_poisson(len(self.wl), seed)
+        self.trace = trace
+        if trace is None:
+            self.wl = self.scn.arrays(n)
+            self.unit = unit_poisson(len(self.wl), seed)
+            self.trace_rate = 0.0
+        else:
+            self.wl = Workload(trace.prompt, np.zeros_like(trace.prompt), trace.output)
+            span = float(trace.arrival[-1] - trace.arrival[0]) if len(trace) > 1 else 0.0
+            self.trace_rate = (len(trace) - 1) / span if span > 0 else 1.0  # the trace's mean request rate
+            self.unit = (trace.arrival - trace.arrival[0]) * self.trace_rate
         self.seed = seed
         self.fixed_splits = splits or {}
         self.splits: dict[str, dict[str, int]] = {}
         self.goodputs: dict[str, float] = {}
 
     def run(self, name: str, split: dict[str, int], rate: float, record_itl: bool = False) -> SimResult:
-        return simulate(self.scn.sim_input(name, split, rate, self.wl, self.unit, self.seed, record_itl))
+        return simulate(self.scn.sim_input(name, split, rate, self.wl, self.unit, self.seed, record_itl, self.trace))
 
     def capacity(self, name: str, split: dict[str, int]) -> float:
-        return min(stage_capacity(self.scn.sim_input(name, split, 1.0, self.wl, self.unit)).values())
+        inp = self.scn.sim_input(name, split, 1.0, self.wl, self.unit, trace=self.trace)
+        return min(stage_capacity(inp).values())
 
     def best_goodput(self, name: str, top: int = 3) -> tuple[float, dict[str, int]]:
         """The system at its best role split (searched, so no deployment is handicapped by a bad split)."""
