@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("pdd.traceview.cli", "render a request's handoff timeline from a JSONL span file"),
     "bench": ("pdd.loadgen.cli", "load generator for OpenAI-compatible endpoints"),
     "sim": ("pdd.sim.cli", "discrete-event simulator of a PDD deployment"),
+    "plan": ("pdd.sim.plan", "which system and instance split to deploy for a traffic trace (simulated)"),
     "keys": ("pdd.transports.keys_cli", "generate CURVE key pairs for the WAN transport"),
 }
 

@@ -96,6 +96,7 @@ class SimInput:
 class SimResult:
     arrival: np.ndarray  # when each request arrived (later than SimInput.arrivals where `after` held it back)
     ttft: np.ndarray  # NaN where failed
+    tt2: np.ndarray  # time to token position 1 (NaN where failed or a one-token answer)
     tpot: np.ndarray
     e2e: np.ndarray
     ok: np.ndarray
@@ -218,6 +219,7 @@ class _Run:
         self.jit_l, self.tput_l = jitter.tolist(), tput.tolist()
         self.need_l = (prompt + output).tolist()
         self.first = [math.nan] * n
+        self.second = [math.nan] * n  # token position 1 (TT2): the decoder's first or second token
         self.finish = [math.nan] * n
         self.ok = [False] * n
         self.pipe = [P_D] * n
@@ -360,8 +362,8 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
     release_check, admit, complete)."""
     events, seq, pools, pick, waiting, wait_head, cap, pool_reserved = (
         run.events, run.seq, run.pools, run.pick, run.waiting, run.wait_head, run.cap, run.pool_reserved)
-    need_l, prompt_l, out_l, first, finish, ok, pipe, rld_tokens = (
-        run.need_l, run.prompt_l, run.out_l, run.first, run.finish, run.ok, run.pipe, run.rld_tokens)
+    need_l, prompt_l, out_l, first, second, finish, ok, pipe, rld_tokens = (
+        run.need_l, run.prompt_l, run.out_l, run.first, run.second, run.finish, run.ok, run.pipe, run.rld_tokens)
     req_inst, req_term, req_join, req_jid, md_res, finished, cancelled = (
         run.req_inst, run.req_term, run.req_join, run.req_jid, run.md_res, run.finished, run.cancelled)
     wan = run.wan
@@ -411,8 +413,12 @@ def _decode_ops(run: _Run, ended, cancel_wan_transfer):
         req_inst[rid] = inst
         heappush(inst.heap, (inst.steps + tokens, rid, req_jid[rid]))
         schedule(inst, now)
-        if first[rid] != first[rid]:  # NaN: this decoder emits the first token
-            first[rid] = now + inst.step
+        if second[rid] != second[rid]:  # NaN: the request's first decoder
+            if first[rid] != first[rid]:  # NaN: this decoder emits the first token as well
+                first[rid] = now + inst.step
+                second[rid] = now + 2 * inst.step
+            else:
+                second[rid] = now + inst.step
 
     def remove(inst: _Inst, rid: int, now: float) -> float:
         """Stop a sequence mid-way (relay handing over); returns tokens it produced."""
@@ -694,6 +700,7 @@ def _result(run: _Run, n_events: int, wan_naive: float) -> SimResult:
     ok_a = np.array(run.ok)
     arr = np.array(run.arr_l)
     ttft = np.where(ok_a, first_a - arr, np.nan)
+    tt2 = np.where(ok_a & (output > 1), np.array(run.second) - arr, np.nan)
     e2e = np.where(ok_a, finish_a - arr, np.nan)
     tpot = np.where(ok_a & (output > 1), (finish_a - first_a) / np.maximum(output - 1, 1), 0.0)
     tpot = np.where(ok_a, tpot, np.nan)
@@ -710,7 +717,7 @@ def _result(run: _Run, n_events: int, wan_naive: float) -> SimResult:
     bw = wan_bytes * 8 / 1e9 / makespan if makespan > 0 else 0.0
     stall_v = run.stall_v
     return SimResult(
-        arrival=arr, ttft=ttft, tpot=tpot, e2e=e2e, ok=ok_a, pipeline=np.array(run.pipe), output=output,
+        arrival=arr, ttft=ttft, tt2=tt2, tpot=tpot, e2e=e2e, ok=ok_a, pipeline=np.array(run.pipe), output=output,
         prompt=np.array(run.prompt_l), p_cached=np.array(run.cached_l), md_cached=np.array(run.md_cached_l),
         p_evictions=sum(c.evicted for c in run.p_caches), md_evictions=sum(c.evicted for c in run.md_caches.values()),
         wan_bytes=wan_bytes, wan_bytes_naive=wan_naive, wan_bandwidth_gbps=bw, makespan=makespan,

@@ -46,6 +46,8 @@ def summary(r: SimResult, slo: Slo) -> dict[str, float | int | dict]:
         "output_throughput": total_out / r.makespan if r.makespan else 0.0,
         "mean_ttft_s": float(np.nanmean(r.ttft)) if r.completed else float("nan"),
         "p50_ttft_s": pct(r.ttft, 50), "p90_ttft_s": pct(r.ttft, 90), "p99_ttft_s": pct(r.ttft, 99),
+        "mean_tt2_s": float(np.nanmean(r.tt2)) if np.isfinite(r.tt2).any() else float("nan"),
+        "p90_tt2_s": pct(r.tt2, 90),
         "mean_tpot_s": float(np.nanmean(r.tpot)) if r.completed else float("nan"),
         "p90_tpot_s": pct(r.tpot, 90),
         "p50_itl_s": weighted_pct(r.itl_values, r.itl_weights, 50),
