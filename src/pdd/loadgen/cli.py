@@ -8,6 +8,32 @@ token share from /metrics, TTFE, SLO attainment) sit under ``"pdd"``. Difference
 purpose: the default endpoint is chat completions, ``--num-prompts`` defaults to 100, and an
 ``agentic`` dataset (multi-turn sessions with a skewed prefix-hit mix) is there beside ``random`` and
 ``sharegpt``.
+
+Replaying a production trace: ``--dataset-name mooncake_trace --dataset-path FILE`` sends the first
+``--num-prompts`` requests of a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids) at
+their recorded times, relative to the first request replayed, times ``--trace-time-scale`` (default 1; 0.5
+replays twice as fast, 0 sends all at once). ``--request-rate`` and ``--burstiness`` are errors with a trace
+(the trace sets the arrivals), and so is ``--num-warmups`` > 0 (warm-up requests would fill the prefix cache
+whose reuse the trace measures); ``--max-concurrency`` still caps the requests in flight, delaying sends
+past their recorded time. Prompts go to ``/v1/completions`` as token ids (the default endpoint with a
+trace; a chat endpoint is an error): one fixed block of the served model's own ordinary tokens per hash id
+(the pool: the distinct ids ``POST /tokenize`` gives for a fixed text, without special tokens; a server
+without /tokenize is an error), so equal hash ids are identical token blocks and the trace's prefix reuse
+reaches the server's prefix caches. ``--trace-block-tokens B`` (default 512, Mooncake's block) scales each
+512-token block to B tokens, for models with a small context; a trace's partial last block keeps its
+fraction. B need not be a multiple of the engine's KV block: a shared prefix then hits only its whole engine
+blocks (rounded down). ``--max-tokens`` says what the client sends: ``none`` (default) sends no max_tokens,
+as chat clients do, and closes the stream after the trace's output length (the server cancels the rest; the
+request counts as a success of exactly that many tokens); ``output`` sends the trace's output length; a
+number N sends N and reads min(N, output length). A line's own ``max_tokens`` field (Mooncake's traces have
+none) is sent under every rule, capped by N (loadgen/trace.py `MaxTokensRule`).
+``ignore_eos`` is always sent. A prompt that leaves no room for one output token in the model's context
+(``max_model_len`` of /v1/models, else of /tokenize) is skipped and counted, never truncated; one that fits
+but whose sent max_tokens does not is sent and fails with the server's context error. A bad trace
+line is an error naming the line and the field (exit 2), before any request is sent. The result's
+``pdd.trace`` block names the file, the requests replayed, the time scale, the block size (and whether
+blocks were scaled), the max_tokens rule, the skipped count and the context used; ``request_rate`` is
+``"trace"``.
 """
 
 from __future__ import annotations
@@ -21,9 +47,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .trace import TRACE_BLOCK_TOKENS, MaxTokensRule
 from .workload import AgenticConfig, HitDistribution, RequestSpec, agentic_sessions, random_specs, sharegpt_specs
 
-DATASETS = ("random", "sharegpt", "agentic")
+TRACE_DATASET = "mooncake_trace"
+DATASETS = ("random", "sharegpt", "agentic", TRACE_DATASET)
+TRACE_RATE = "trace"  # the result's request_rate (and file name) of a replay: the trace sets the arrivals
+TRACE_FLAGS = {"trace_time_scale": "--trace-time-scale", "trace_block_tokens": "--trace-block-tokens",
+               "max_tokens": "--max-tokens"}
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
 
@@ -40,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--api-key", default=None)
     a("--label", default="pdd", help="name of this setup (legend of the plots, result file name)")
     a("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")
-    a("--dataset-path", default=None, help="ShareGPT JSON file (--dataset-name sharegpt)")
+    a("--dataset-path", default=None, help="ShareGPT JSON file, or the trace of --dataset-name mooncake_trace")
+    a("--trace-time-scale", type=float, default=None,
+      help="mooncake_trace: send at recorded time x this (default 1; 0: all at once)")
+    a("--trace-block-tokens", type=int, default=None,
+      help=f"mooncake_trace: tokens per trace block (default {TRACE_BLOCK_TOKENS}; smaller for small models)")
+    a("--max-tokens", default=None, metavar="none|output|N",
+      help="mooncake_trace: max_tokens sent (default none: left out, stream closed at the trace's output length)")
     a("--num-prompts", type=int, default=100)
     a("--input-len", type=int, default=None, help="sets --random-input-len and --context-tokens")
     a("--output-len", type=int, default=None, help="sets --random-output-len and --output-tokens")
@@ -54,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--hit-weights", type=float, nargs=6, default=None,
       help="agentic: weights of hit bins 0-90,90-95,95-97,97-98,98-99,99-100 %% (default: report-like)")
     a("--anomalous-fraction", type=float, default=0.0)
-    a("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson, < 1 burstier)")
+    a("--request-rate", type=float, default=None, help="requests/s (default inf: all at once)")
+    a("--burstiness", type=float, default=None,
+      help="gamma shape of arrival gaps (default 1 = Poisson, < 1 burstier)")
     a("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     a("--num-warmups", "--warmup", dest="warmup", type=int, default=0,
       help="requests sent first and left out of the results")
@@ -93,8 +131,47 @@ def make_specs(args: argparse.Namespace) -> list[RequestSpec]:
     return agentic_sessions(cfg)
 
 
+def _default_backend(args: argparse.Namespace) -> str:
+    """Chat completions, as PDD's default; completions for a trace replay (its prompts are token ids)."""
+    return "openai" if args.dataset_name == TRACE_DATASET else "openai-chat"
+
+
+def _check_trace(args: argparse.Namespace) -> None:
+    """A replay's flags: the trace sets arrivals, so rate flags and warm-ups are errors; fills the defaults."""
+    if not args.dataset_path:
+        raise ValueError(f"--dataset-name {TRACE_DATASET} needs --dataset-path (a Mooncake JSONL trace)")
+    for name, flag in (("request_rate", "--request-rate"), ("burstiness", "--burstiness")):
+        if getattr(args, name) is not None:
+            raise ValueError(f"{flag} cannot be used with --dataset-name {TRACE_DATASET}: the trace's timestamps "
+                             "set the arrivals (scale them with --trace-time-scale)")
+    if args.warmup:
+        raise ValueError(f"--num-warmups must be 0 with --dataset-name {TRACE_DATASET}: warm-up requests would "
+                         "fill the prefix cache whose reuse the trace measures")
+    endpoint = args.endpoint or BACKEND_ENDPOINTS[args.backend or _default_backend(args)]
+    if endpoint.endswith("/chat/completions"):
+        flag = "--endpoint" if args.endpoint else "--backend"
+        raise ValueError(f"{flag}: a trace replay sends token ids, which only /v1/completions takes (got {endpoint})")
+    scale = 1.0 if args.trace_time_scale is None else args.trace_time_scale
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"--trace-time-scale must be a finite number >= 0 (got {scale})")
+    block = TRACE_BLOCK_TOKENS if args.trace_block_tokens is None else args.trace_block_tokens
+    if block < 1:
+        raise ValueError(f"--trace-block-tokens must be >= 1 (got {block})")
+    args.trace_time_scale, args.trace_block_tokens = scale, block
+    args.max_tokens_rule = MaxTokensRule.parse(args.max_tokens)
+    args.endpoint, args.request_rate, args.burstiness = endpoint, math.inf, 1.0
+
+
 def _check(args: argparse.Namespace) -> None:
     """Flag errors before any request is sent; each names its flag."""
+    if args.dataset_name == TRACE_DATASET:
+        _check_trace(args)
+    else:
+        given = [flag for name, flag in TRACE_FLAGS.items() if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{given[0]} applies to --dataset-name {TRACE_DATASET} only")
+        args.request_rate = math.inf if args.request_rate is None else args.request_rate
+        args.burstiness = 1.0 if args.burstiness is None else args.burstiness
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1 (got {args.num_prompts})")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -112,22 +189,31 @@ def _check(args: argparse.Namespace) -> None:
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns the result dict (vLLM's keys, "pdd", and the detailed arrays)."""
+    from .replay import prepare_replay, trace_summary
     from .report import detailed, parse_goodput, parse_metric_percentiles, parse_percentile_metrics, summarize
     from .runner import LoadConfig, first_model, run_load
     from .scrape import pdd_figures, scrape
+    from .trace import read_trace
 
     _check(args)
     slo = parse_goodput(args.goodput)
     metrics = parse_percentile_metrics(args.percentile_metrics)
     percentiles = parse_metric_percentiles(args.metric_percentiles)
-    specs = make_specs(args)
+    replaying = args.dataset_name == TRACE_DATASET
+    trace = read_trace(args.dataset_path, args.num_prompts) if replaying else None  # bad lines: before any request
+    specs = [] if replaying else make_specs(args)
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    endpoint = args.endpoint or BACKEND_ENDPOINTS.get(args.backend or "openai-chat")
+    endpoint = args.endpoint or BACKEND_ENDPOINTS[args.backend or _default_backend(args)]
     model_id = args.model or await first_model(base, args.api_key)
     metrics_url = None if args.metrics_url == "none" else (args.metrics_url or base + "/metrics")
     cfg = LoadConfig(url=base + endpoint, model=args.served_model_name or model_id, request_rate=args.request_rate,
                      burstiness=args.burstiness, max_concurrency=args.max_concurrency, warmup=args.warmup,
                      seed=args.seed, timeout_s=args.timeout, api_key=args.api_key)
+    plan = None
+    if trace is not None:
+        plan = await prepare_replay(base, cfg.model, trace, args.max_tokens_rule, args.trace_block_tokens,
+                                    args.trace_time_scale, args.api_key)
+        specs = list(plan.specs)
     before = await scrape(metrics_url) if metrics_url else None
     progress, task = None, None
     if not args.no_progress:
@@ -137,16 +223,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         progress.start()
         task = progress.add_task("requests", total=len(specs) - args.warmup)
     try:
-        results, duration = await run_load(
-            specs, cfg, on_done=(lambda r: progress.advance(task)) if progress else None)
+        results, duration = await run_load(specs, cfg, on_done=(lambda r: progress.advance(task)) if progress else None,
+                                           arrivals=plan.arrivals if plan else None)
     finally:
         if progress:
             progress.stop()
     after = await scrape(metrics_url) if metrics_url else None
     result: dict[str, Any] = {
-        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend or "openai-chat",
-        "label": args.label, "model_id": model_id, "num_prompts": args.num_prompts,
-        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": args.backend or _default_backend(args),
+        "label": args.label, "model_id": model_id, "num_prompts": args.num_prompts, "request_rate": _rate(args),
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
     }
     for item in args.metadata or []:
@@ -156,14 +241,25 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     result["pdd"].update(pdd_figures(before, after, result["completed"]))
     result["pdd"].update({"url": cfg.url, "dataset_name": args.dataset_name, "warmup": args.warmup,
                           "seed": args.seed})
+    if plan is not None:
+        result["pdd"]["trace"] = trace_summary(args.dataset_path, plan, args.max_tokens_rule, args.trace_block_tokens,
+                                               args.trace_time_scale)
     result.update(detailed(results))
     return result
 
 
+def _rate(args: argparse.Namespace) -> float | str:
+    """The result's request_rate: the flag's value, "inf", or "trace" for a replay."""
+    if args.dataset_name == TRACE_DATASET:
+        return TRACE_RATE
+    return args.request_rate if math.isfinite(args.request_rate) else "inf"
+
+
 def result_path(args: argparse.Namespace, model_id: str, date: str) -> Path:
     """vLLM's default name: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, in --result-dir."""
+    rate = TRACE_RATE if args.dataset_name == TRACE_DATASET else args.request_rate
     name = args.result_filename or (
-        f"{args.label}-{args.request_rate}qps"
+        f"{args.label}-{rate}qps"
         f"{f'-concurrency{args.max_concurrency}' if args.max_concurrency is not None else ''}"
         f"-{model_id.split('/')[-1]}-{date}.json")
     return Path(args.result_dir) / name if args.result_dir else Path(name)

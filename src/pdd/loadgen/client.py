@@ -282,15 +282,26 @@ class RequestResult:
 
 
 def build_payload(spec: RequestSpec, model: str, endpoint: str) -> dict[str, Any]:
-    """Chat or completions body for one spec; ignore_eos keeps the output length as specified."""
+    """Chat or completions body for one spec; ignore_eos keeps the output length as specified. A spec of
+    token ids goes out as the completions ``prompt`` (a list of ints), which chat has no field for."""
     body: dict[str, Any] = {
-        "model": model, "max_tokens": spec.output_tokens, "stream": True, "temperature": 0.0,
+        "model": model, "stream": True, "temperature": 0.0,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+    max_tokens = spec.sent_max_tokens()
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     if spec.ignore_eos:
         body["ignore_eos"] = True
+    chat = endpoint.endswith("/chat/completions")
+    prompt_ids = spec.prompt_token_ids()
+    if prompt_ids is not None:
+        if chat:
+            raise ValueError(f"{endpoint}: a prompt of token ids needs a completions endpoint")
+        body["prompt"] = prompt_ids
+        return body
     messages = spec.messages or [{"role": "user", "content": "hello"}]
-    if endpoint.endswith("/chat/completions"):
+    if chat:
         body["messages"] = messages
     else:
         body["prompt"] = "\n".join(m["content"] for m in messages)
@@ -299,15 +310,23 @@ def build_payload(spec: RequestSpec, model: str, endpoint: str) -> dict[str, Any
 
 async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, model: str,
                t0: float, timeout_s: float = 600.0, api_key: str | None = None) -> RequestResult:
-    """Send one streaming request and time it; errors become a failed result, never an exception."""
+    """Send one streaming request and time it; errors become a failed result, never an exception. A spec with
+    a read limit is closed after that many output tokens (the server cancels the rest) and counts as a success
+    of exactly that many tokens, as if the answer had ended there."""
     res = RequestResult(rid=spec.rid, start=time.perf_counter() - t0, prompt_tokens=spec.prompt_tokens,
                         cached_tokens=spec.cached_tokens)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    s = await stream(session, url, build_payload(spec, model, url), headers=headers, timeout_s=timeout_s)
+    limit = spec.read_limit()
+    # built and encoded off the event loop: a replayed trace's prompt of 100K token ids takes tens of ms, which
+    # would hold back the chunks of every stream being timed
+    body = await asyncio.to_thread(lambda: json.dumps(build_payload(spec, model, url)).encode())
+    s = await stream(session, url, body, headers=headers, timeout_s=timeout_s, abort_after_tokens=limit)
     if s.t_first_event is not None:
         res.ttfe = s.t_first_event - s.t_send
     content = s.content_chunks
     times = s.token_times() if content else None
+    if times and limit is not None:  # the chunk that reached the limit may carry tokens past it
+        times = times[:limit]
     if times:  # by output position
         positions = PositionTimes(s.t_send, times)
         res.ttft, res.itl, res.itl_per_token = positions.ttft, positions.gaps, True
@@ -333,6 +352,8 @@ async def send(session: aiohttp.ClientSession, url: str, spec: RequestSpec, mode
         return res
     usage = s.usage
     res.output_tokens = int(usage.get("completion_tokens", len(content))) if usage else len(content)
+    if limit is not None:
+        res.output_tokens = min(res.output_tokens, limit)
     if usage:
         res.prompt_tokens = int(usage.get("prompt_tokens", res.prompt_tokens))
         details = usage.get("prompt_tokens_details") or {}

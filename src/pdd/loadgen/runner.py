@@ -1,4 +1,5 @@
-"""Drive a server: open-loop arrivals (Poisson / gamma burstiness) or closed-loop concurrency.
+"""Drive a server: open-loop arrivals (Poisson / gamma burstiness, or a replayed trace's recorded times) or
+closed-loop concurrency.
 
 Open loop is what a real user population does (arrivals do not wait for the server); closed loop
 measures a server at a fixed number of requests in flight. Warm-up requests run first and are
@@ -12,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -49,8 +51,9 @@ def intervals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
     return gaps * (n / rate) / gaps.sum() if gaps.sum() > 0 else gaps
 
 
-async def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
-    """The first model the server lists at ``/v1/models`` (what `vllm bench serve` does without --model)."""
+async def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The model cards of ``GET /v1/models``: ValueError when the server does not answer 200, [] when it lists
+    none (vLLM's cards carry ``max_model_len``, as PDD's do)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = base_url.rstrip("/") + "/v1/models"
     try:
@@ -62,14 +65,23 @@ async def first_model(base_url: str, api_key: str | None = None, timeout_s: floa
     except aiohttp.ClientError as exc:
         raise ValueError(f"GET {url} failed ({exc}); is the server up? Or pass --model") from None
     models = data.get("data") if isinstance(data, dict) else None
-    if not models or not isinstance(models[0], dict) or not models[0].get("id"):
-        raise ValueError(f"GET {url}: no model listed; pass --model")
+    return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+
+
+async def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The first model the server lists at ``/v1/models`` (what `vllm bench serve` does without --model)."""
+    models = await list_models(base_url, api_key, timeout_s)
+    if not models or not models[0].get("id"):
+        raise ValueError(f"GET {base_url.rstrip('/')}/v1/models: no model listed; pass --model")
     return str(models[0]["id"])
 
 
 async def run_load(specs: Sequence[RequestSpec], cfg: LoadConfig,
-                   on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
-    """Send every spec; returns (results of the measured requests in spec order, measured seconds)."""
+                   on_done: Callable[[RequestResult], None] | None = None,
+                   arrivals: Sequence[float] | None = None) -> tuple[list[RequestResult], float]:
+    """Send every spec; returns (results of the measured requests in spec order, measured seconds).
+    ``arrivals``: when each measured spec goes out, seconds after the start (a replayed trace's recorded
+    times); without them the gaps come from ``cfg``'s rate and burstiness."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as session:
         warm, measured = list(specs[: cfg.warmup]), list(specs[cfg.warmup:])
@@ -77,7 +89,10 @@ async def run_load(specs: Sequence[RequestSpec], cfg: LoadConfig,
             await asyncio.gather(*(send(session, cfg.url, s, cfg.model, time.perf_counter(), cfg.timeout_s,
                                         cfg.api_key) for s in warm))
         sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
-        gaps = intervals(len(measured), cfg.request_rate, cfg.burstiness, cfg.seed)
+        if arrivals is None:
+            arrivals = np.cumsum(intervals(len(measured), cfg.request_rate, cfg.burstiness, cfg.seed)).tolist()
+        if len(arrivals) != len(measured):
+            raise ValueError(f"{len(arrivals)} arrival times for {len(measured)} requests")
         t0 = time.perf_counter()
 
         async def one(spec: RequestSpec) -> RequestResult:
@@ -91,10 +106,8 @@ async def run_load(specs: Sequence[RequestSpec], cfg: LoadConfig,
             return r
 
         tasks = []
-        next_t = t0
-        for spec, gap in zip(measured, gaps.tolist()):
-            next_t += gap
-            delay = next_t - time.perf_counter()
+        for spec, at in zip(measured, arrivals):
+            delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(spec)))

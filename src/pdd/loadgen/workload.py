@@ -92,6 +92,20 @@ class RequestSpec:
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    def sent_max_tokens(self) -> int | None:
+        """The ``max_tokens`` a live client sends (None: the field is left out): the output length here, so
+        the server stops there; a replayed trace sends what its rule says (loadgen/replay.py)."""
+        return self.output_tokens
+
+    def prompt_token_ids(self) -> list[int] | None:
+        """Live runs: the prompt as token ids for /v1/completions (None: ``messages`` are the prompt). A method,
+        so that a replayed trace builds each prompt when it is sent rather than holding them all."""
+        return None
+
+    def read_limit(self) -> int | None:
+        """Output tokens after which a live client closes the stream (None: it reads to the server's end)."""
+        return None
+
 
 @dataclass
 class Workload:

@@ -157,7 +157,12 @@ class MainDecodeService(DecoderService):
             self.engine.abort(rid)
 
     async def cancel_request(self, request_id: str, reason: str) -> None:
+        """A cancelled request whose KV is in place (a client that stopped reading, a deadline) leaves it in the
+        DRC, as P keeps its prompt and as vLLM keeps an aborted request's blocks: the next turn still hits."""
         state = self.decoding.pop(request_id, None)
         if state is not None and state.span is not None:
             state.span.end()
+        if state is not None and state.inc.committed and self.runner is not None:
+            self.runner.unwatch(request_id)
+            await self.runner.call(self._cache_and_free, request_id, True)
         await super().cancel_request(request_id, reason)
