@@ -171,6 +171,23 @@ def test_second_turn_moves_only_new_kv_over_wan(system, reference):
     assert turn2_bytes * 4 < turn1_bytes
 
 
+def test_prefill_heartbeat_reports_its_wan_backlog(system, nats_url):
+    """What every router's WAN queue is made of (router/routing.py `wan_queue_s`): after a WAN transfer P's
+    heartbeat carries a measured egress rate, and nothing left queued once the transfer is done."""
+    from pdd.bench.soak import announced_summaries
+    from pdd.shared.protocol import WAN_EGRESS_KEY, WAN_QUEUED_KEY
+
+    prompt = [random.Random(7).randrange(5, 380) for _ in range(300)]
+    r = httpx.post(system.base_url + "/v1/completions", json=body_for(prompt, "P-MD"), timeout=60)
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while True:
+        p = announced_summaries(nats_url).get("p-0", {})
+        if p.get(WAN_EGRESS_KEY, 0) > 0 or time.monotonic() > deadline:
+            break
+    assert p.get(WAN_EGRESS_KEY, 0) > 0 and p.get(WAN_QUEUED_KEY) == 0.0, p
+
+
 def test_openai_client_chat_and_completions(system):
     from openai import OpenAI
 

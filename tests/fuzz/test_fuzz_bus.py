@@ -31,6 +31,9 @@ from hypothesis import strategies as st
 from pdd.shared import protocol
 from pdd.shared.links import KVLink
 from pdd.shared.protocol import (
+    WAN_EGRESS_KEY,
+    WAN_QUEUED_KEY,
+    WAN_RATE_KEY,
     Announce,
     Cancel,
     Message,
@@ -135,7 +138,8 @@ PLAUSIBLE: dict[str, st.SearchStrategy] = {
     "state": st.sampled_from(["ready", "draining", "stopped"]), "heartbeat_ms": st.just(500),
     "site": st.sampled_from(["site-a", "site-b"]), "load": st.floats(0, 1), "seconds": st.floats(0, 1),
     "sent_unix": st.floats(0, 2e9),
-    "cache_summary": st.sampled_from([{}, {"block_size": 16, "kv_bytes_per_token": 256, "wan_bytes_per_s": 1e6}]),
+    "cache_summary": st.sampled_from([{}, {"block_size": 16, "kv_bytes_per_token": 256, WAN_RATE_KEY: 1e6},
+                                      {WAN_QUEUED_KEY: 1e9, WAN_EGRESS_KEY: 1e8}]),
     "endpoints": st.just({}), "meta": st.sampled_from([{}, {"rld_tokens": 1}]), "source_descriptor": st.just({}),
     "descriptor": st.just({}), "stored": st.lists(st.integers(0, 2**63), max_size=3),
     "removed": st.lists(st.integers(0, 2**63), max_size=3), "dst_blocks": st.lists(st.integers(0, 1023), max_size=3),
@@ -159,8 +163,8 @@ HOSTILE: dict[str, st.SearchStrategy] = {
     "prompt_ids": TOKEN_IDS, "output_ids": TOKEN_IDS, "token_ids": TOKEN_IDS, "stored": st.lists(INTS, max_size=4),
     "removed": st.lists(INTS, max_size=4), "dst_blocks": st.lists(INTS, max_size=4), "sampling": HOSTILE_SAMPLING,
     "heartbeat_ms": st.sampled_from([0, -1, 1, 2**62]), "cache_summary": st.one_of(st.sampled_from([
-        {"block_size": 0}, {"block_size": "x"}, {"kv_bytes_per_token": -1}, {"wan_bytes_per_s": float("nan")},
-        {"hit_rate": None}]), ANY_DICT),
+        {"block_size": 0}, {"block_size": "x"}, {"kv_bytes_per_token": -1}, {WAN_RATE_KEY: float("nan")},
+        {WAN_QUEUED_KEY: "x", WAN_EGRESS_KEY: float("inf")}, {WAN_QUEUED_KEY: -1e300}, {"hit_rate": None}]), ANY_DICT),
     "endpoints": ANY_DICT, "meta": ANY_DICT, "source_descriptor": ANY_DICT, "descriptor": ANY_DICT,
 }
 

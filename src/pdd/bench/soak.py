@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from pdd.shared.pipelines import ROUTABLE
+from pdd.shared.protocol import WAN_RATE_KEY
 from pdd.shared.roles import Role
 
 # Policy scaled to the tiny model (2 layers x 2 KV heads x 16 dims, fp32: 512 B/token): a prompt whose
@@ -522,8 +523,8 @@ def run(args: argparse.Namespace) -> dict:
         sampler.stop()
         states = instance_state(cluster)
         pipelines, reasons = router_pipelines(cluster.base_url)
-        md_rate = {iid: s.get("wan_bytes_per_s") for iid, s in
-                   announced_summaries(cluster.nats.url if cluster.nats else "").items() if "wan_bytes_per_s" in s}
+        md_rate = {iid: s.get(WAN_RATE_KEY) for iid, s in
+                   announced_summaries(cluster.nats.url if cluster.nats else "").items() if WAN_RATE_KEY in s}
         died = dict(sampler.died)
         for iid, m in cluster.members.items():
             if not m.alive and iid not in died:

@@ -20,7 +20,15 @@ from pdd.shared import metrics
 from pdd.shared.bus import Envelope
 from pdd.shared.links import KVLink, link_between
 from pdd.shared.pipelines import spec
-from pdd.shared.protocol import HandoffAck, HandoffReady, HandoffTokens, Message, Subjects, TokenChunk
+from pdd.shared.protocol import (
+    WAN_RATE_KEY,
+    HandoffAck,
+    HandoffReady,
+    HandoffTokens,
+    Message,
+    Subjects,
+    TokenChunk,
+)
 from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger
 
@@ -57,7 +65,7 @@ class MainDecodeService(DecoderService):
                                  expect=HandoffTokens)
 
     def cache_summary_extra(self) -> dict:
-        return {"wan_bytes_per_s": self._wan_rate}
+        return {WAN_RATE_KEY: self._wan_rate}
 
     async def on_kv_landed(self, inc: Incoming) -> None:
         rid = inc.req.request_id

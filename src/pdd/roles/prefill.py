@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from pdd.engine import EngineInputError, StepOutput
 from pdd.roles.engine_service import EngineService, sampling_params
+from pdd.roles.wan_backlog import WanBacklog
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
@@ -52,6 +53,7 @@ class PrefillService(EngineService):
     def __init__(self, config, instance):
         super().__init__(config, instance)
         self._active: dict[str, asyncio.Task] = {}
+        self.wan_backlog = WanBacklog()
 
     async def on_start(self) -> None:
         await super().on_start()
@@ -61,6 +63,9 @@ class PrefillService(EngineService):
 
     def in_flight(self) -> int:
         return len(self._active)
+
+    def cache_summary_extra(self) -> dict:
+        return self.wan_backlog.summary()
 
     async def on_stop(self) -> None:
         for task in list(self._active.values()):  # past the drain timeout: give up on them cleanly
@@ -218,16 +223,23 @@ class PrefillService(EngineService):
             if src:
                 # held for this send: other transfers share the link, and none may close it under this one
                 peer = await self.links.hold(dest.link, plan.descriptor)
+                planned = len(src) * self.engine.block_size * self.engine.layout.bytes_per_token
+                on_wan = dest.link == KVLink.WAN
+                if on_wan:
+                    self.wan_backlog.started(planned)
                 t0 = time.monotonic()
                 try:
                     stats = await self.transports[dest.link].send(peer, req.request_id, src, plan.dst_blocks,
                                                                        trace_context=inject_headers())
+                    nbytes = stats.bytes
                 except PeerLostError:  # this link is gone: the next transfer opens a new one
                     await self.links.forget(dest.link, plan.descriptor, peer)
                     raise
                 finally:
                     await self.links.release(dest.link, peer)
-                nbytes, seconds = stats.bytes, time.monotonic() - t0
+                    if on_wan:
+                        self.wan_backlog.finished(planned, nbytes)
+                seconds = time.monotonic() - t0
             gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
             span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
         if dest.link == KVLink.WAN:

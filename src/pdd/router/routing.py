@@ -9,6 +9,7 @@ yet fails over.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 
 from pdd.router.prefix_index import PrefixIndex
@@ -19,8 +20,16 @@ from pdd.shared.bus import Bus, BusError
 from pdd.shared.config import PDDConfig
 from pdd.shared.links import KVLink, link_between
 from pdd.shared.pipelines import Pipeline, spec
-from pdd.shared.policy import RouteInputs, choose_pipeline, instance_cost
-from pdd.shared.protocol import Announce, CacheQuery, CacheQueryReply, Subjects
+from pdd.shared.policy import RouteInputs, choose_pipeline, instance_cost, wan_queue_seconds
+from pdd.shared.protocol import (
+    WAN_EGRESS_KEY,
+    WAN_QUEUED_KEY,
+    WAN_RATE_KEY,
+    Announce,
+    CacheQuery,
+    CacheQueryReply,
+    Subjects,
+)
 from pdd.shared.roles import Role
 
 CACHE_QUERY_TIMEOUT_S = 0.5
@@ -93,6 +102,12 @@ class Routing:
         best = min(range(len(candidates)), key=lambda i: (costs[i], candidates[i].instance_id))
         return candidates[best], cached[best]
 
+    def wan_queue_s(self, site: str) -> float:
+        """Seconds of KV the prefill instances of ``site`` have queued on the WAN, by their own heartbeats."""
+        summaries = [p.cache_summary for p in self.registry.instances(Role.PREFILL) if p.site == site]
+        queued = sum(_number(s.get(WAN_QUEUED_KEY)) for s in summaries)
+        return wan_queue_seconds(queued, sum(_number(s.get(WAN_EGRESS_KEY)) for s in summaries), self.config.policy)
+
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
         """The request's route; GenerationError 503 when a role its pipeline needs has no instance."""
         hashes = _Hashes(self.index, req.prompt_ids)
@@ -109,12 +124,12 @@ class Routing:
             decision_pipeline, reason = forced, "forced"
             wan_bytes = max(0, len(req.prompt_ids) - md_cached) * kv_bytes_per_token
         else:
-            wan_rate = float(main_decode.cache_summary.get("wan_bytes_per_s", 0.0)) if main_decode else 0.0
+            wan_rate = _number(main_decode.cache_summary.get(WAN_RATE_KEY)) if main_decode else 0.0
             decision = choose_pipeline(RouteInputs(
                 prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, p_cached_tokens=p_cached,
                 md_cached_tokens=md_cached, kv_bytes_per_token=kv_bytes_per_token, wan_bandwidth_bps=wan_rate,
                 wan_up=main_decode is not None and self.wan.is_up(main_decode.instance_id), rld_available=relay is not None,
-                rld_load=relay.load if relay else 1.0), self.config.policy)
+                rld_load=relay.load if relay else 1.0, wan_queue_s=self.wan_queue_s(prefill.site)), self.config.policy)
             decision_pipeline, reason, wan_bytes = decision.pipeline, decision.reason, decision.wan_bytes
         needs = spec(decision_pipeline).roles
         if Role.MAIN_DECODE in needs and main_decode is None:
@@ -126,3 +141,10 @@ class Routing:
             md_link = KVLink.WAN
         return Route(decision_pipeline, reason, prefill, relay, main_decode, p_cached, md_cached,
                      wan_bytes if md_link == KVLink.WAN else 0, md_link)
+
+
+def _number(value: object) -> float:
+    """A heartbeat figure as a finite non-negative float; anything else (absent, corrupt) counts as 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)

@@ -9,6 +9,10 @@ Paper rules encoded here:
 - P-RLD-MD when the WAN transfer would be long: the relay masks it with eager tokens.
 - P-RLD (local finish) only for anomalous traffic (very long input, short output) or when the WAN
   is down. Never for plain low-hit traffic: that overloads the relay pool and the system collapses.
+Beyond the report: while the WAN is saturated (P's heartbeats report more queued KV than `wan_saturated_s`
+of its measured egress), a request that would add to the queue finishes on the relay, as long as the relay is
+below `rld_max_load`. On production traces, where hits are low and the WAN is the bottleneck, this is what
+keeps PDD's goodput above naive cross-DC PD's (docs/SIMULATOR.md, "WAN-aware routing").
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class PolicyConfig(BaseModel):
     default_wan_gbps: float = Field(
         1.0, gt=0, description="WAN bandwidth assumed until a transfer has been measured."
     )
+    wan_saturated_s: float = Field(
+        1.0, gt=0, description="WAN queue (seconds before a new transfer could start) above which the relay "
+                               "finishes requests locally instead of adding to the queue."
+    )
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class RouteInputs:
     wan_up: bool = True
     rld_available: bool = True
     rld_load: float = 0.0  # 0..1
+    wan_queue_s: float = 0.0  # seconds of KV already queued on the WAN ahead of this transfer (P's heartbeats)
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,13 @@ def estimate_wan_seconds(missing_tokens: int, inputs: RouteInputs, cfg: PolicyCo
     return wan_bytes, wan_bytes / bandwidth
 
 
+def wan_queue_seconds(queued_bytes: float, egress_bps: float, cfg: PolicyConfig) -> float:
+    """How long the WAN needs for the KV already queued on it: P's reported backlog over its measured egress
+    (the assumed bandwidth until one is measured). The simulator's equivalent is the wait for a free flow."""
+    rate = egress_bps if egress_bps > 0 else cfg.default_wan_gbps * 1e9 / 8
+    return max(0.0, queued_bytes) / rate
+
+
 def choose_pipeline(inputs: RouteInputs, cfg: PolicyConfig) -> RouteDecision:
     missing = inputs.prompt_tokens - min(inputs.md_cached_tokens, inputs.prompt_tokens)
     wan_bytes, seconds = estimate_wan_seconds(missing, inputs, cfg)
@@ -92,6 +108,9 @@ def choose_pipeline(inputs: RouteInputs, cfg: PolicyConfig) -> RouteDecision:
         return RouteDecision(Pipeline.P_MD, "wan down and no relay: direct (may fail over)", wan_bytes, seconds)
     if anomalous and inputs.rld_available:
         return RouteDecision(Pipeline.P_RLD, "anomalous long-input/short-output: transfer blocked", 0, 0.0)
+    if (inputs.wan_queue_s > cfg.wan_saturated_s and inputs.rld_available
+            and inputs.rld_load < cfg.rld_max_load and wan_bytes > 0):
+        return RouteDecision(Pipeline.P_RLD, "WAN saturated: relay finishes locally", 0, 0.0)
     if seconds <= cfg.wan_masking_threshold_s:
         return RouteDecision(Pipeline.P_MD, "small WAN transfer (high MD hit)", wan_bytes, seconds)
     if not inputs.rld_available:

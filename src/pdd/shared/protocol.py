@@ -264,6 +264,12 @@ class ErrorReply(Message):
     retryable: bool = False
 
 
+# Keys of an announce's cache_summary that routing reads (main decode's measured WAN rate, P's WAN backlog).
+WAN_RATE_KEY = "wan_bytes_per_s"  # MD: EWMA of one KV transfer's arrival rate over the WAN
+WAN_QUEUED_KEY = "wan_queued_bytes"  # P: KV bytes of WAN transfers started and not yet finished
+WAN_EGRESS_KEY = "wan_egress_bytes_per_s"  # P: its WAN egress while it had transfers in flight (EWMA)
+
+
 @dataclass
 class Announce(Message):
     """Every instance, every heartbeat period: who I am, where, how loaded, what I cache."""
@@ -278,7 +284,7 @@ class Announce(Message):
     free_kv_blocks: int
     total_kv_blocks: int
     heartbeat_ms: int
-    cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., "wan_bytes_per_s": ..}
+    cache_summary: dict = field(default_factory=dict)  # e.g. {"hit_rate": .., WAN_RATE_KEY: ..}
     max_context: int = 0
     model: str = ""
     dtype: str = ""  # engine roles: weights/compute dtype ("float32", "bfloat16", ...)

@@ -561,6 +561,7 @@ def _loop(run: _Run) -> tuple[int, float]:
         run.prompt_l, run.cached_l, run.md_cached_l, run.out_l, run.need_l, run.first, run.finish, run.ok, run.pipe)
     req_inst, req_join, req_jid, md_res, finished, cancelled, rld_tokens = (
         run.req_inst, run.req_join, run.req_jid, run.md_res, run.finished, run.cancelled, run.rld_tokens)
+    wan_flows = run.wan_flows
     pool_reserved, pool_cap, route_mt_l, md_pin, md_caches = (
         run.pool_reserved, run.pool_cap, run.route_mt_l, run.md_pin, run.md_caches)
     p_queued, req_p = run.p_queued, run.req_p
@@ -607,6 +608,7 @@ def _loop(run: _Run) -> tuple[int, float]:
                 prompt_tokens=prompt_l[rid], max_tokens=route_mt_l[rid], p_cached_tokens=cached_l[rid],
                 md_cached_tokens=md_cached_l[rid], kv_bytes_per_token=int(kvb),
                 wan_bandwidth_bps=route_bps, rld_available=rld_available, rld_load=load,
+                wan_queue_s=max(0.0, wan_flows[0] - now),
             ), pol)
             code = _CODE[dec.pipeline]
             pipe[rid] = code

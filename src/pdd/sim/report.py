@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from .event_loop import SimResult, simulate
-from .metrics import Slo, goodput, summary
 from pdd.loadgen.trace import TraceArrays
 from pdd.loadgen.workload import Workload
 
+from .event_loop import SimResult, simulate
+from .metrics import Slo, goodput, summary
 from .scenario import Scenario, set_path, stage_capacity, unit_poisson
 
 FIGURES = ("ttft_reduction", "goodput_gain", "hw_cost_change", "wan_bandwidth_ratio", "rld_token_share")

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from pdd.loadgen.trace import TRACE_BLOCK_TOKENS, MaxTokensRule, TraceArrays, hit_tokens
-from pdd.shared.policy import RouteInputs, choose_pipeline
 from pdd.loadgen.workload import AgenticConfig, HitDistribution, Workload, agentic_arrays
 from pdd.scenarios import Deployment, load_yaml, set_path
 from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import Pipeline
+from pdd.shared.policy import RouteInputs, choose_pipeline
 
 from .event_loop import SimInput
 
