@@ -576,3 +576,38 @@ def test_prepare_import_over_a_link_the_decoder_lacks_is_refused_and_reserves_no
 
     asyncio.run(main())
     assert fuzz_cluster.leaked_blocks() == {"p-0": 0, "rld-0": 0, "md-0": 0}
+
+
+def test_an_import_its_prefill_no_longer_sends_is_freed_long_before_the_lease(fuzz_cluster) -> None:
+    """A Cancel lost while the WAN was cut left an import reserved at MD until the 120 s lease (found by
+    `python -m pdd.bench.chaos --scenarios wan_cut_net`: 11 blocks held 30 s after idle). The receiver now asks
+    the sending prefill while the KV has not landed; "unknown" frees the blocks. A prefill that does not answer
+    (here: none by that name) leaves the reservation in place."""
+    from pdd.roles.decoder_service import TRANSFER_CHECK_S
+
+    async def main() -> None:
+        nc = await nats.connect(fuzz_cluster.nats.url, name="fuzz-regression")
+        try:
+            for rid, source in (("fz-orphan", "p-0"), ("fz-silent-source", "p-nowhere")):
+                prepare = PrepareImport(request_id=rid, prompt_ids=list(range(40, 120)),
+                                        sampling=SamplingSpec(max_tokens=2), events_subject=EVENTS,
+                                        deadline_unix=time.time() + 300, pipeline="P-MD", source_instance=source)
+                reply = protocol.decode((await nc.request(Subjects.instance("md-0", "prepare_import"),
+                                                          prepare.encode(), timeout=10)).data)
+                assert reply.TYPE == "import_plan", reply
+            assert fuzz_cluster.leaked_blocks()["md-0"] > 0
+            deadline = time.monotonic() + 4 * TRANSFER_CHECK_S
+            held = {}
+            while time.monotonic() < deadline:
+                held = (fuzz_cluster.members["md-0"].health().get("engine") or {}).get("held_requests", {})
+                if "fz-orphan" not in held:
+                    break
+                await asyncio.sleep(0.5)
+            assert "fz-orphan" not in held and held.get("fz-silent-source") == "IMPORTING", held
+            await nc.publish(Subjects.CANCEL, Cancel("fz-silent-source").encode())
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(main())
+    assert fuzz_cluster.wait_idle(30) == {"p-0": 0, "rld-0": 0, "md-0": 0}

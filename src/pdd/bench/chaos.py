@@ -391,6 +391,11 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
     facts["seconds"] = round(time.monotonic() - t0, 1)
     leaked = await asyncio.to_thread(cluster.wait_idle, 30.0)
     summary = summarize(results, reference, leaked, {m.instance_id: m.role for m in cluster.engine_members()})
+    if summary["leaked_blocks"]:  # which instance still holds KV, for which requests (their state)
+        summary["leaked_by_instance"] = {
+            m.instance_id: {"blocks": leaked[m.instance_id],
+                            "held": (m.health().get("engine") or {}).get("held_requests")}
+            for m in cluster.engine_members() if leaked.get(m.instance_id)}
     summary.update(facts)
     hit = facts.get("hit_in_flight", facts.get("in_flight_at_fault", 0))
     summary["pipelines"] = count_by(r.info.get("pipeline") for r in results if r.info)

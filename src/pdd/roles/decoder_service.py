@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from pdd.engine import EngineInputError, OutOfBlocks, StepOutput
 from pdd.roles.engine_service import EngineService, sampling_params
-from pdd.shared.bus import Envelope
+from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
 from pdd.shared.protocol import (
     ErrorReply,
@@ -31,6 +31,9 @@ from pdd.shared.protocol import (
     Subjects,
     SubmitRequest,
     TokenChunk,
+    TransferCheck,
+    TransferCheckReply,
+    TransferState,
 )
 from pdd.shared.telemetry import get_logger
 from pdd.transports import TransferHandle
@@ -39,6 +42,8 @@ log = get_logger("pdd.receiver")
 tracer = trace.get_tracer("pdd.receiver")
 
 IMPORT_LEASE_S = 120.0  # reserved blocks whose KV never arrives are freed after this
+TRANSFER_CHECK_S = 5.0  # while KV has not landed, the sending prefill is asked this often whether it still sends
+TRANSFER_CHECK_TIMEOUT_S = 2.0  # no answer (a cut WAN, a busy bus): keep the reservation and ask again
 CANCEL_MEMORY_S = 30.0  # a Cancel can overtake its request's prepare_import (separate subscriptions)
 
 
@@ -151,8 +156,19 @@ class DecoderService(EngineService):
         self.runner.wake()
 
     async def _lease(self, rid: str, kv_seconds: float, request_seconds: float) -> None:
-        """Free what a request holds here if its KV never lands, or if it outlives its deadline."""
-        await asyncio.sleep(kv_seconds)
+        """Free what a request holds here if its KV never lands, or if it outlives its deadline. While the KV has
+        not landed the sending prefill is asked whether it still sends: a Cancel lost while the WAN was cut
+        would otherwise hold the blocks for the whole lease."""
+        until = time.monotonic() + kv_seconds
+        while (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(TRANSFER_CHECK_S, left))
+            inc = self.incoming.get(rid)
+            if inc is None or inc.first_token is not None:
+                break
+            if await self._source_forgot(inc):
+                log.warning("import_orphaned", request_id=rid, source=inc.req.source_instance)
+                await self.drop(rid)
+                return
         inc = self.incoming.get(rid)
         if inc is not None and inc.first_token is None:
             log.warning("import_lease_expired", request_id=rid)
@@ -162,6 +178,20 @@ class DecoderService(EngineService):
         if rid in self.incoming:
             log.warning("request_deadline_expired", request_id=rid)
             await self.drop(rid)
+
+    async def _source_forgot(self, inc: Incoming) -> bool:
+        """True only when the sending prefill answers that it knows nothing of this transfer any more."""
+        source = inc.req.source_instance
+        if not source:
+            return False
+        try:
+            reply = await self.bus.request(
+                Subjects.instance(source, "transfer_check"),
+                TransferCheck(request_id=inc.req.request_id, instance_id=self.instance_id),
+                timeout=TRANSFER_CHECK_TIMEOUT_S, expect=TransferCheckReply)
+        except BusError:
+            return False
+        return isinstance(reply, TransferCheckReply) and reply.state == TransferState.UNKNOWN
 
     def finish(self, rid: str) -> None:
         """The request is done here (its KV was freed or cached by the engine)."""

@@ -31,10 +31,15 @@ from pdd.shared.protocol import (
     Subjects,
     SubmitRequest,
     TokenLogprobs,
+    TransferCheck,
+    TransferCheckReply,
+    TransferState,
 )
 from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, inject_headers
 from pdd.transports.errors import PeerLostError, TransferTimeout
+
+SENT_MEMORY_S = 60.0  # how long a finished transfer is remembered for its receiver's transfer check
 
 log = get_logger("pdd.prefill")
 tracer = trace.get_tracer("pdd.prefill")
@@ -53,6 +58,9 @@ class PrefillService(EngineService):
     def __init__(self, config, instance):
         super().__init__(config, instance)
         self._active: dict[str, asyncio.Task] = {}
+        # (request, receiver) -> when its KV was sent and kv_ready published: a receiver asking just before the
+        # kv_ready reaches it must hear "sent", not "unknown" (which frees its reservation)
+        self._sent: dict[tuple[str, str], float] = {}
         self.wan_backlog = WanBacklog()
 
     async def on_start(self) -> None:
@@ -60,6 +68,8 @@ class PrefillService(EngineService):
         for link in KVLink:
             await self.open_transport(link, self.config.transports.of(link))
         await self.bus.subscribe(Subjects.instance(self.instance_id, "submit"), self._on_submit, expect=SubmitRequest)
+        await self.bus.subscribe(Subjects.instance(self.instance_id, "transfer_check"), self._on_transfer_check,
+                                 expect=TransferCheck)
 
     def in_flight(self) -> int:
         return len(self._active)
@@ -84,6 +94,20 @@ class PrefillService(EngineService):
         task = asyncio.create_task(self._run(message), name=f"prefill-{message.request_id}")
         self._active[message.request_id] = task
         task.add_done_callback(lambda _: self._active.pop(message.request_id, None))
+
+    async def _on_transfer_check(self, message: Message, _: Envelope) -> Message:
+        """A receiver whose KV has not landed asks whether it is still coming (decoder_service's lease)."""
+        assert isinstance(message, TransferCheck)
+        now = time.monotonic()
+        while self._sent and now - next(iter(self._sent.values())) > SENT_MEMORY_S:
+            del self._sent[next(iter(self._sent))]
+        if (message.request_id, message.instance_id) in self._sent:
+            state = TransferState.SENT
+        elif message.request_id in self._active:
+            state = TransferState.SENDING
+        else:
+            state = TransferState.UNKNOWN
+        return TransferCheckReply(request_id=message.request_id, state=state)
 
     async def cancel_request(self, request_id: str, reason: str) -> None:
         task = self._active.get(request_id)
@@ -202,6 +226,7 @@ class PrefillService(EngineService):
             events_subject=req.events_subject, deadline_unix=req.deadline_unix, pipeline=req.pipeline,
             use_cache=dest.use_cache, link=dest.link, source_descriptor=self.transports[dest.link].descriptor(),
             handoff_mode=req.handoff_mode, md_instance=req.md_instance, rld_instance=req.rld_instance,
+            source_instance=self.instance_id,
         )
         plan = await self.bus.request(Subjects.instance(dest.instance_id, "prepare_import"), message,
                                       expect=ImportPlan)
@@ -247,6 +272,7 @@ class PrefillService(EngineService):
             metrics.WAN_TRANSFER.observe(seconds)
         else:
             metrics.FAST_BYTES.labels(self.instance_id).inc(nbytes)
+        self._sent[(req.request_id, dest.instance_id)] = time.monotonic()
         await self.bus.publish(Subjects.instance(dest.instance_id, "kv_ready"), KVReady(
             request_id=req.request_id, instance_id=self.instance_id, first_token=first, bytes_sent=nbytes,
             seconds=seconds))

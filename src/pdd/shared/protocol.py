@@ -152,6 +152,30 @@ class PrepareImport(Message):
     md_instance: str | None = None
     rld_instance: str | None = None
     trace_id: str | None = None
+    source_instance: str | None = None  # the prefill instance sending the KV: asked while it has not landed
+
+
+@dataclass
+class TransferCheck(Message):
+    """Decode instance -> the prefill sending it KV (request/reply), while the KV has not landed: is it still on
+    its way? A Cancel lost on a cut WAN would otherwise strand the reserved blocks until the import lease ends."""
+
+    TYPE: ClassVar[str] = "transfer_check"
+    request_id: str
+    instance_id: str  # the receiver asking
+
+
+class TransferState(str, enum.Enum):
+    SENDING = "sending"  # prefill or transfer still running
+    SENT = "sent"  # done: its kv_ready is on the way
+    UNKNOWN = "unknown"  # failed, cancelled, never seen, or a restarted prefill: the reservation can go
+
+
+@dataclass
+class TransferCheckReply(Message):
+    TYPE: ClassVar[str] = "transfer_check_reply"
+    request_id: str
+    state: TransferState
 
 
 @dataclass

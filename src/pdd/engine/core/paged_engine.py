@@ -15,6 +15,7 @@ pool and scheduler queues on the one worker thread, so its invariants stay reada
 from __future__ import annotations
 
 import abc
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from pdd.engine.core.dtypes import DtypeChoice
@@ -122,6 +123,8 @@ class PagedEngine(abc.ABC):
             "cache_query_tokens": s.query_tokens,
             "cache_hit_rate": s.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
+            # what holds KV right now, by request (the first 16): where a leak shows which request and state
+            "held_requests": {rid: req.status.name for rid, req in itertools.islice(self.requests.items(), 16)},
         }
 
     def _get(self, rid: str) -> Request:
