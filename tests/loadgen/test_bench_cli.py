@@ -8,23 +8,18 @@ The server serves one model name and answers 404 for any other (as PDD and vLLM 
 import asyncio
 import json
 import math
-import socket
 
 import numpy as np
 import pytest
 from aiohttp import web
 
 from pdd.loadgen.runner import intervals
+from tests.loadgen.servers import free_port, run_bench, serving
 
 MODEL = "served-elsewhere"
 TOKENS_PER_CHUNK = 2
 GAP_S = 0.02
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -67,24 +62,15 @@ async def server():
     app.router.add_get("/v1/models", fake.list_models)
     app.router.add_post("/v1/chat/completions", fake.generate)
     app.router.add_post("/v1/completions", fake.generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield fake, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as base:
+        yield fake, base
 
-
-async def _bench(argv: list[str]) -> int:
-    from pdd.launch.cli import main
-
-    return await asyncio.to_thread(main, ["bench", *argv])  # the CLI runs its own event loop
 
 
 async def test_no_model_takes_the_first_listed_and_writes_vllm_keys(server, tmp_path, capsys):
     fake, base = server
     out = tmp_path / "result.json"
-    rc = await _bench(["--base-url", base, "--dataset-name", "random", "--num-prompts", "4",
+    rc = await run_bench(["--base-url", base, "--dataset-name", "random", "--num-prompts", "4",
                        "--random-input-len", "8", "--random-output-len", "5", "--metrics-url", "none",
                        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99.9",
                        "--save-result", "--result-filename", str(out), "--disable-tqdm"])
@@ -144,7 +130,7 @@ async def test_goodput_counts_requests_within_every_slo(server):
 
 async def test_wrong_model_fails_every_request_with_its_404(server):
     _, base = server
-    rc = await _bench(["--base-url", base, "--model", "default", "--num-prompts", "2", "--random-input-len", "4",
+    rc = await run_bench(["--base-url", base, "--model", "default", "--num-prompts", "2", "--random-input-len", "4",
                        "--random-output-len", "2", "--metrics-url", "none", "--disable-tqdm"])
     assert rc == 1
 
@@ -159,14 +145,14 @@ async def test_wrong_model_fails_every_request_with_its_404(server):
 ])
 async def test_bad_flags_exit_2_naming_the_flag(server, capsys, flags, named):
     fake, base = server
-    rc = await _bench(["--base-url", base, "--model", MODEL, "--num-prompts", "2", "--metrics-url", "none",
+    rc = await run_bench(["--base-url", base, "--model", MODEL, "--num-prompts", "2", "--metrics-url", "none",
                        "--disable-tqdm", *flags])
     assert rc == 2 and named in capsys.readouterr().err
     assert fake.models == []  # nothing was sent
 
 
 async def test_no_server_to_ask_for_models_is_a_clear_error(capsys):
-    rc = await _bench(["--base-url", f"http://127.0.0.1:{_free_port()}", "--num-prompts", "1", "--disable-tqdm"])
+    rc = await run_bench(["--base-url", f"http://127.0.0.1:{free_port()}", "--num-prompts", "1", "--disable-tqdm"])
     assert rc == 2 and "/v1/models" in capsys.readouterr().err
 
 
@@ -185,8 +171,8 @@ async def test_plot_has_ttft_tpot_and_itl_panels_with_compare(server, tmp_path):
     first, png = tmp_path / "a.json", tmp_path / "cdf.png"
     common = ["--base-url", base, "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "4",
               "--metrics-url", "none", "--disable-tqdm"]
-    assert await _bench([*common, "--label", "first", "--save-json", str(first)]) == 0
-    assert await _bench([*common, "--label", "second", "--plot", str(png), "--compare", str(first)]) == 0
+    assert await run_bench([*common, "--label", "first", "--save-json", str(first)]) == 0
+    assert await run_bench([*common, "--label", "second", "--plot", str(png), "--compare", str(first)]) == 0
     image = matplotlib.image.imread(str(png))
     assert image.shape[1] > 2.5 * image.shape[0]  # three panels side by side
     from pdd.loadgen.cli import latency_series

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import math
-import socket
 
 import pytest
 from aiohttp import web
@@ -13,14 +12,10 @@ from pdd.loadgen.report import parse_goodput, summarize
 from pdd.loadgen.runner import LoadConfig, run_load
 from pdd.loadgen.scrape import parse, pdd_figures, scrape
 from pdd.loadgen.workload import random_specs
+from tests.loadgen.servers import serving
 
 FIRST_DELAY, TOKEN_DELAY = 0.05, 0.01
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:
@@ -73,13 +68,8 @@ async def server():
     app.router.add_post("/v1/chat/completions", fake.chat)
     app.router.add_post("/v1/completions", fake.chat)
     app.router.add_get("/metrics", fake.metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    yield fake, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as base:
+        yield fake, base
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])

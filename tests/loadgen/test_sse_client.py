@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 
 import aiohttp
 import pytest
@@ -14,14 +13,10 @@ from aiohttp import web
 
 from pdd.loadgen.client import stream
 from pdd.loadgen.scrape import parse, samples_of
+from tests.loadgen.servers import serving
 
 GAP = 0.05  # server-side pause between chunks
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sse(obj) -> bytes:
@@ -78,12 +73,8 @@ async def base():
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as base:
+        yield base
 
 
 async def _go(base: str, **kw):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -21,16 +20,12 @@ from aiohttp import web
 from pdd.loadgen.replay import plan_replay
 from pdd.loadgen.scrape import samples_of, scrape_sync
 from pdd.loadgen.trace import MaxTokensRule, TraceRequest, hit_tokens, read_trace
+from tests.loadgen.servers import run_bench, serving
 
 MODEL = "trace-model"
 POOL = [7, 9, 11, 13, 17, 19, 23, 29, 31, 37]  # the fake server's /tokenize answer (deduplicated by the client)
 TOKENS_PER_CHUNK = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _line(ts: float, n_in: int, n_out: int, ids: list[int], **extra) -> str:
@@ -97,18 +92,9 @@ async def recorder(request):
         app.router.add_post("/tokenize", fake.tokenize)
     app.router.add_post("/v1/completions", fake.completions)
     app.router.add_post("/v1/chat/completions", fake.completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = _free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield fake, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serving(app) as base:
+        yield fake, base
 
-
-async def _bench(argv: list[str]) -> int:
-    from pdd.launch.cli import main
-
-    return await asyncio.to_thread(main, ["bench", *argv])  # the CLI runs its own event loop
 
 
 def _replay_argv(base: str, trace: Path, *flags: str) -> list[str]:
@@ -140,14 +126,14 @@ def small_trace(tmp_path) -> Path:
 ])
 async def test_bad_replay_flags_exit_2_naming_the_flag(recorder, small_trace, capsys, flags, named):
     fake, base = recorder
-    assert await _bench(_replay_argv(base, small_trace, *flags)) == 2
+    assert await run_bench(_replay_argv(base, small_trace, *flags)) == 2
     assert named in capsys.readouterr().err
     assert fake.paths == []  # nothing was contacted
 
 
 async def test_trace_flags_without_a_trace_are_errors(recorder, capsys):
     fake, base = recorder
-    rc = await _bench(["--base-url", base, "--dataset-name", "random", "--max-tokens", "output", "--disable-tqdm"])
+    rc = await run_bench(["--base-url", base, "--dataset-name", "random", "--max-tokens", "output", "--disable-tqdm"])
     assert rc == 2 and "--max-tokens" in capsys.readouterr().err and fake.paths == []
 
 
@@ -159,7 +145,7 @@ async def test_trace_flags_without_a_trace_are_errors(recorder, capsys):
 async def test_bad_trace_line_names_line_and_field_and_sends_nothing(recorder, tmp_path, capsys, line, field):
     fake, base = recorder
     trace = write_trace(tmp_path / "bad.jsonl", [_line(0, 10, 2, [1]), _line(5, 10, 2, [2]), line])
-    assert await _bench(_replay_argv(base, trace)) == 2
+    assert await run_bench(_replay_argv(base, trace)) == 2
     err = capsys.readouterr().err
     assert f"bad.jsonl:3: field {field!r}" in err
     assert fake.paths == []
@@ -168,7 +154,7 @@ async def test_bad_trace_line_names_line_and_field_and_sends_nothing(recorder, t
 @pytest.mark.parametrize("recorder", [{"tokenize": False}], indirect=True)
 async def test_a_server_without_tokenize_is_a_clear_error(recorder, small_trace, capsys):
     fake, base = recorder
-    assert await _bench(_replay_argv(base, small_trace)) == 2
+    assert await run_bench(_replay_argv(base, small_trace)) == 2
     assert "/tokenize" in capsys.readouterr().err
     assert "/v1/completions" not in fake.paths
 
@@ -207,7 +193,7 @@ async def test_replay_sends_token_ids_without_max_tokens_and_hangs_up_at_the_out
         recorder, small_trace, tmp_path):
     fake, base = recorder
     out = tmp_path / "result.json"
-    assert await _bench(_replay_argv(base, small_trace, "--trace-block-tokens", "32", "--trace-time-scale", "0.1",
+    assert await run_bench(_replay_argv(base, small_trace, "--trace-block-tokens", "32", "--trace-time-scale", "0.1",
                                      "--save-json", str(out))) == 0
     assert fake.paths.index("/tokenize") < fake.paths.index("/v1/completions")  # the pool first, once
     assert fake.paths.count("/tokenize") == 1 and len(fake.bodies) == 3
@@ -239,7 +225,7 @@ async def test_replay_sends_token_ids_without_max_tokens_and_hangs_up_at_the_out
 async def test_prompts_beyond_the_context_are_skipped_and_counted(recorder, small_trace, tmp_path):
     fake, base = recorder
     out = tmp_path / "result.json"
-    assert await _bench(_replay_argv(base, small_trace, "--trace-block-tokens", "32", "--max-tokens", "3",
+    assert await run_bench(_replay_argv(base, small_trace, "--trace-block-tokens", "32", "--max-tokens", "3",
                                      "--save-json", str(out))) == 0
     assert [len(b["prompt"]) for b in fake.bodies] == [12]  # 70 and 83 tokens leave no room in 60: not sent
     assert [b["max_tokens"] for b in fake.bodies] == [3]
@@ -251,7 +237,7 @@ async def test_prompts_beyond_the_context_are_skipped_and_counted(recorder, smal
 async def test_max_tokens_output_sends_the_trace_output_and_num_prompts_slices_the_file(recorder, small_trace, tmp_path):
     fake, base = recorder
     out = tmp_path / "result.json"
-    assert await _bench(_replay_argv(base, small_trace, "--max-tokens", "output", "--num-prompts", "2",
+    assert await run_bench(_replay_argv(base, small_trace, "--max-tokens", "output", "--num-prompts", "2",
                                      "--trace-time-scale", "0", "--save-json", str(out))) == 0
     assert sorted(b["max_tokens"] for b in fake.bodies) == [3, 5]
     assert fake.hung_up == 0  # the server ended each stream at max_tokens
