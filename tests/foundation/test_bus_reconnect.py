@@ -179,7 +179,7 @@ def _announce(iid: str, role: str = "prefill") -> Announce:
 def test_registry_keeps_the_fleet_through_our_own_outage() -> None:
     now = [100.0]
     bus = _FakeBus()
-    reg = Registry(bus, missed_heartbeats=3, clock=lambda: now[0])  # type: ignore[arg-type]
+    reg = Registry(bus, missed_heartbeats=3, clock=lambda: now[0], suspect_timeout_s=0.0)  # type: ignore[arg-type]
     reg.observe(_announce("p-0"))
     reg.observe(_announce("p-1"))
     # our link drops: silence proves nothing, nothing is pruned, but nothing is offered work either
@@ -199,3 +199,22 @@ def test_registry_keeps_the_fleet_through_our_own_outage() -> None:
     now[0] += 1.0  # 2.0 s since the reconnect > 3 x 0.5 s
     assert reg.prune() == ["p-1"]
     assert [a.instance_id for a in reg.instances("prefill", ready_only=False)] == ["p-0"]
+
+
+def test_a_silent_instance_is_suspected_before_it_is_lost() -> None:
+    """Slow is not dead: past missed_heartbeats an instance gets no new work but keeps its requests (get() still
+    finds it, so nothing migrates); a beat clears that; only suspect_timeout_s more of silence drops it."""
+    now = [100.0]
+    reg = Registry(_FakeBus(), missed_heartbeats=3, clock=lambda: now[0], suspect_timeout_s=5.0)  # type: ignore[arg-type]
+    reg.observe(_announce("p-0"))
+    reg.observe(_announce("md-0", "main-decode"))
+    now[0] += 2.0  # > 3 x 0.5 s
+    assert reg.prune() == []
+    assert reg.instances("prefill") == [] and reg.get("p-0") is not None
+    assert {s["instance"]: s["suspected"] for s in reg.snapshot()} == {"md-0": True, "p-0": True}
+    reg.observe(_announce("p-0"))  # it was only slow
+    assert [a.instance_id for a in reg.instances("prefill")] == ["p-0"]
+    now[0] += 4.0  # md-0: 6 s of silence, inside 1.5 + 5
+    assert reg.prune() == [] and reg.get("md-0") is not None
+    now[0] += 1.0  # 7 s > 6.5 s
+    assert reg.prune() == ["md-0"] and reg.get("md-0") is None

@@ -7,6 +7,7 @@ Messages never include request content: a prompt must not leak into logs or erro
 
 from __future__ import annotations
 
+import math
 import re
 import traceback
 from typing import Any
@@ -39,8 +40,9 @@ class APIError(Exception):
     """A request-level failure that becomes one OpenAI-shaped error response."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, retry_after_s: float | None = None):
         super().__init__(message)
+        self.retry_after_s = retry_after_s
         self.status = status
         self.message = message
         self.code = code or _STATUS_CODES.get(status, "error")
@@ -50,14 +52,16 @@ class APIError(Exception):
     @classmethod
     def from_generation_error(cls, err: GenerationError) -> "APIError":
         status = err.http_status if 400 <= err.http_status <= 599 else 500
-        return cls(status, err.message, code=err.code)
+        return cls(status, err.message, code=err.code, retry_after_s=err.retry_after_s)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 _UNION_TAG = re.compile(r"[\[\]\-]|^(str|int|float|bool|list|dict|none|literal)$")

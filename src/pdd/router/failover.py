@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from pdd.router.inflight import InFlight
 from pdd.router.registry import Registry
+from pdd.router.routing import NO_DECODE
 from pdd.router.types import GenerationError
 from pdd.router.wan_health import WanHealth
 from pdd.shared import metrics
@@ -133,7 +134,7 @@ def resume_target(state: InFlight, registry: Registry, config: PDDConfig, prefer
     others = [f"{i.instance_id} {i.state if i.state != 'ready' else 'unconfirmed'}" for role in DECODERS
               for i in registry.instances(role, ready_only=False) if i.instance_id not in state.excluded]
     given_up = sorted(state.excluded)
-    raise GenerationError(503, "no_decode", "no decode instance is left to resume the request on ("
+    raise GenerationError(503, NO_DECODE, "no decode instance is left to resume the request on ("
                           + (f"given up on {', '.join(given_up)}; " if given_up else "")
                           + (f"not usable: {', '.join(others)}" if others
                              else f"no other {Role.RELAY} or {Role.MAIN_DECODE} instance is alive") + ")")

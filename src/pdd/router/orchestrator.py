@@ -22,7 +22,7 @@ from pdd.router.inflight import InFlight
 from pdd.router.ownership import OwnershipTracker
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
-from pdd.router.routing import Route, Routing
+from pdd.router.routing import NO_INSTANCE, Route, Routing
 from pdd.router.types import GenerationError, GenerationRequest, TokenEvent
 from pdd.router.wan_health import WanHealth, WanProbe
 from pdd.shared import metrics
@@ -51,6 +51,7 @@ class Orchestrator:
         self.wan = WanHealth(self.probes.probe, config.router.wan_probe_interval_s)
         self.routing = Routing(config, bus, registry, self.index, self.wan)
         self.health = HealthWatch(config, bus, registry)
+        self.waiting = 0  # requests waiting for an instance of a role that has none live
 
     async def start(self) -> None:
         await self.index.start(self.bus)
@@ -61,7 +62,40 @@ class Orchestrator:
         await self.wan.stop()
 
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
-        return await self.routing.route(req, exclude)
+        """The request's route; where a role it needs has no live instance (all suspected, restarting), wait for
+        one up to ``router.instance_wait_s`` inside the deadline, then 503; 429 when too many already wait.
+        Both carry Retry-After: never an error while an instance may come back within the wait."""
+        try:
+            return await self.routing.route(req, exclude)
+        except GenerationError as exc:
+            if exc.code not in NO_INSTANCE:
+                raise
+            refusal = exc
+        cfg = self.config.router
+        if self.waiting >= cfg.max_waiting_requests:
+            raise GenerationError(429, "too_many_waiting", f"{self.waiting} requests already wait for an instance "
+                                  f"({refusal.message})", retry_after_s=max(1.0, cfg.instance_wait_s))
+        wait_s = max(0.0, min(cfg.instance_wait_s, req.deadline_unix - time.time()))
+        until = time.monotonic() + wait_s
+        self.waiting += 1
+        try:
+            while (left := until - time.monotonic()) > 0:
+                changed = self.registry.changed
+                try:  # a change can slip in before the wait starts: look again at least twice a second
+                    async with asyncio.timeout(min(left, 0.5)):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+                try:
+                    return await self.routing.route(req, exclude)
+                except GenerationError as exc:
+                    if exc.code not in NO_INSTANCE:
+                        raise
+                    refusal = exc
+        finally:
+            self.waiting -= 1
+        raise GenerationError(503, refusal.code, f"{refusal.message} (waited {wait_s:.0f} s)",
+                              retry_after_s=max(1.0, cfg.instance_wait_s))
 
     def max_context(self) -> int:
         limits = [i.max_context for i in self.registry.instances() if i.max_context]

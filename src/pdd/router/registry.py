@@ -1,8 +1,10 @@
 """Router-side view of the fleet, built only from announce/heartbeat messages.
 
-An instance is dropped after ``missed_heartbeats`` of its own periods without a beat (e.g. after a
-``kill -9``), or at once when it announces ``stopped``. Draining instances stay visible but are not
-offered new work.
+An instance silent for ``missed_heartbeats`` of its own periods is *suspected*: offered no new work, but its
+requests stay where they are (a box under overload delays beats by seconds; a dead process never beats
+again). Silent ``suspect_timeout_s`` longer (e.g. after a ``kill -9``) it is dropped, and its requests
+migrate; a beat in between clears the suspicion. An instance announcing ``stopped`` is dropped at once.
+Draining instances stay visible but are not offered new work.
 
 While this router's own NATS connection is down, silence proves nothing about the fleet: nothing is
 dropped, but every instance is marked unconfirmed and offered no new work (work submitted to it could
@@ -37,16 +39,19 @@ class InstanceState:
     info: Announce
     last_seen: float  # monotonic
     confirmed: bool = True  # False from a bus outage of ours until its next beat
+    suspected: bool = False  # silent past missed_heartbeats: no new work until it beats again
 
     @property
     def ready(self) -> bool:
-        return self.info.state == "ready" and self.confirmed
+        return self.info.state == "ready" and self.confirmed and not self.suspected
 
 
 class Registry:
-    def __init__(self, bus: Bus, missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, bus: Bus, missed_heartbeats: int = 3, clock: Callable[[], float] = time.monotonic,
+                 suspect_timeout_s: float = 5.0):
         self.bus = bus
         self.missed_heartbeats = missed_heartbeats
+        self.suspect_timeout_s = suspect_timeout_s
         self.clock = clock
         self._instances: dict[str, InstanceState] = {}
         self.refused: dict[str, str] = {}  # instance -> why it gets no work (a KV layout unlike the fleet's)
@@ -89,9 +94,11 @@ class Registry:
             return
         if not known and self._refuse_kv_layout(info):
             return
-        was_confirmed = known and self._instances[info.instance_id].confirmed
+        before = self._instances.get(info.instance_id)
         self._instances[info.instance_id] = InstanceState(info, self.clock())
-        if known and not was_confirmed:
+        if before is not None and before.suspected:
+            log.info("instance_recovered", instance=info.instance_id, role=info.role)
+        if before is not None and (before.suspected or not before.confirmed):
             self._changed()  # offered work again
         if not known:
             log.info("instance_joined", instance=info.instance_id, role=info.role, site=info.site)
@@ -130,15 +137,21 @@ class Registry:
         if getattr(self._announce_sub, "pending_msgs", 0):  # beats received but not read yet: we are behind
             return []
         now = self.clock()
-        dead = [
-            iid for iid, st in self._instances.items()
-            if now - st.last_seen > self.missed_heartbeats * min(st.info.heartbeat_ms, MAX_HEARTBEAT_MS) / 1000
-        ]
+        dead, suspected = [], []
+        for iid, st in self._instances.items():
+            silent = now - st.last_seen
+            allowed = self.missed_heartbeats * min(st.info.heartbeat_ms, MAX_HEARTBEAT_MS) / 1000
+            if silent > allowed + self.suspect_timeout_s:
+                dead.append(iid)
+            elif silent > allowed and not st.suspected:
+                st.suspected = True
+                suspected.append(iid)
+                log.warning("instance_suspected", instance=iid, role=st.info.role, silent_s=round(silent, 3))
         for iid in dead:
             st = self._instances.pop(iid)
             log.warning("instance_lost", instance=iid, role=st.info.role,
                         silent_s=round(now - st.last_seen, 3))
-        if dead:
+        if dead or suspected:
             self._changed()
         return dead
 
@@ -175,7 +188,7 @@ class Registry:
         now = self.clock()
         return [
             {"instance": st.info.instance_id, "role": st.info.role, "site": st.info.site,
-             "state": st.info.state, "confirmed": st.confirmed, "load": st.info.load, "free_kv_blocks": st.info.free_kv_blocks,
+             "state": st.info.state, "confirmed": st.confirmed, "suspected": st.suspected, "load": st.info.load, "free_kv_blocks": st.info.free_kv_blocks,
              "age_s": round(now - st.last_seen, 3)}
             for st in sorted(self._instances.values(), key=lambda s: s.info.instance_id)
         ]

@@ -33,6 +33,9 @@ from pdd.shared.protocol import (
 from pdd.shared.roles import Role
 
 CACHE_QUERY_TIMEOUT_S = 0.5
+# 503 codes of a role with no live instance: the orchestrator waits for one (router.instance_wait_s)
+NO_PREFILL, NO_DECODE, NO_RELAY = "no_prefill", "no_decode", "no_relay"
+NO_INSTANCE = frozenset({NO_PREFILL, NO_DECODE, NO_RELAY})
 
 
 class _Hashes:
@@ -117,7 +120,7 @@ class Routing:
         relays = [r for r in self.registry.instances(Role.RELAY) if r.instance_id not in exclude]
         relay = min(relays, key=lambda r: (r.load, r.instance_id)) if relays else None
         if prefill is None:
-            raise GenerationError(503, "no_prefill", f"no {Role.PREFILL} instance is available; retry later")
+            raise GenerationError(503, NO_PREFILL, f"no {Role.PREFILL} instance is available; retry later")
         kv_bytes_per_token = int(prefill.cache_summary.get("kv_bytes_per_token", 0))
         forced = req.forced_pipeline or self.config.router.forced_pipeline
         if forced:
@@ -133,9 +136,9 @@ class Routing:
             decision_pipeline, reason, wan_bytes = decision.pipeline, decision.reason, decision.wan_bytes
         needs = spec(decision_pipeline).roles
         if Role.MAIN_DECODE in needs and main_decode is None:
-            raise GenerationError(503, "no_decode", f"no {Role.MAIN_DECODE} instance is available; retry later")
+            raise GenerationError(503, NO_DECODE, f"no {Role.MAIN_DECODE} instance is available; retry later")
         if Role.RELAY in needs and relay is None:
-            raise GenerationError(503, "no_relay", f"pipeline {decision_pipeline} needs a {Role.RELAY}; none is available")
+            raise GenerationError(503, NO_RELAY, f"pipeline {decision_pipeline} needs a {Role.RELAY}; none is available")
         md_link = link_between(prefill.site, main_decode.site) if main_decode else KVLink.WAN
         if md_link not in (main_decode.endpoints if main_decode else ()):  # a decoder without that transport
             md_link = KVLink.WAN

@@ -29,7 +29,8 @@ class RouterService(Service):
 
     def __init__(self, config: PDDConfig, instance: InstanceConfig, serve_http: bool = True):
         super().__init__(config, instance)
-        self.registry = Registry(self.bus, missed_heartbeats=config.service.missed_heartbeats)
+        self.registry = Registry(self.bus, missed_heartbeats=config.service.missed_heartbeats,
+                                 suspect_timeout_s=config.service.suspect_timeout_s)
         self.orchestrator = Orchestrator(config, self.bus, self.registry, instance.id)
         self.serve_http = serve_http
         self.model_name = model_display_name(config)

@@ -11,11 +11,12 @@ from pdd.shared.protocol import SamplingSpec, TokenLogprobs
 class GenerationError(Exception):
     """A request failed; ``http_status`` and ``code`` go into the OpenAI-shaped error body."""
 
-    def __init__(self, http_status: int, code: str, message: str):
+    def __init__(self, http_status: int, code: str, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.http_status = http_status
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # sent as Retry-After: the condition is expected to pass
 
 
 @dataclass

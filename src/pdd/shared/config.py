@@ -255,6 +255,11 @@ class RouterConfig(_Strict):
     max_migrations: int = Field(2, ge=0, description="failovers per request (resume elsewhere or retry on another "
                                 "prefill); then the request fails with 503")
     wan_probe_interval_s: float = Field(2.0, gt=0, description="while a WAN link is down, probe it this often")
+    instance_wait_s: float = Field(10.0, ge=0, description=(
+        "a request that finds no live instance for a role it needs waits this long for one (inside its deadline), "
+        "then gets 503 with Retry-After"))
+    max_waiting_requests: int = Field(256, ge=0, description=(
+        "requests waiting for an instance at once; one more gets 429 with Retry-After"))
     forced_pipeline: Pipeline | None = None
     forced_handoff: HandoffMode | None = None
     first_token_after_kv: bool = Field(
@@ -269,7 +274,11 @@ class RouterConfig(_Strict):
 
 class ServiceConfig(_Strict):
     heartbeat_ms: int = Field(500, ge=10, le=60_000)
-    missed_heartbeats: int = Field(3, ge=1, description="registry drops an instance after this many missed beats")
+    missed_heartbeats: int = Field(3, ge=1, description="after this many missed beats the registry suspects an "
+                                   "instance: no new work, its requests kept")
+    suspect_timeout_s: float = Field(5.0, ge=0, description=(
+        "silence beyond missed_heartbeats before a suspected instance is declared lost and its requests migrate: "
+        "an overloaded box delays beats by seconds, a dead process never beats again"))
     drain_timeout_s: float = Field(30.0, ge=0)
 
 
