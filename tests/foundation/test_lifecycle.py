@@ -14,6 +14,7 @@ from pdd.shared.telemetry import get_tracer, setup_tracing, shutdown_tracing
 from tests.helpers import ServiceProcess, write_config
 
 HEARTBEAT_MS = 200
+SUSPECT_S = 1.0
 
 
 @pytest.fixture
@@ -27,7 +28,8 @@ def config_path(tmp_path, nats_url, tiny_model):
             {"id": "router-a", "role": "router", "site": "site-a"},
             {"id": "router-b", "role": "router", "site": "site-b"},
         ],
-        "service": {"heartbeat_ms": HEARTBEAT_MS, "missed_heartbeats": 3, "drain_timeout_s": 2},
+        "service": {"heartbeat_ms": HEARTBEAT_MS, "missed_heartbeats": 3, "drain_timeout_s": 2,
+                    "suspect_timeout_s": SUSPECT_S},
         "telemetry": {"exporter": "jsonl", "jsonl_path": str(tmp_path / "spans.jsonl"), "log_format": "json"},
     })
 
@@ -66,10 +68,16 @@ def test_discovery_and_kill9_detection(two_services):
     a, b = two_services
     b.kill()  # SIGKILL: no goodbye message
     killed_at = time.monotonic()
-    wait_until(lambda: "router-b" not in registry_of(a), timeout=5, step=0.01)
-    elapsed = time.monotonic() - killed_at
-    # dropped within 3 heartbeat periods (plus one prune tick and the health poll)
-    assert elapsed <= 3 * HEARTBEAT_MS / 1000 + 0.3, elapsed
+
+    def suspected() -> bool:
+        return any(i["instance"] == "router-b" and i["suspected"] for i in a.health()[1]["instances"])
+
+    wait_until(suspected, timeout=5, step=0.01)
+    # suspected (no new work) within 3 heartbeat periods (plus one prune tick and the health poll) ...
+    assert time.monotonic() - killed_at <= 3 * HEARTBEAT_MS / 1000 + 0.3
+    wait_until(lambda: "router-b" not in registry_of(a), timeout=10, step=0.01)
+    # ... and dropped suspect_timeout_s later
+    assert time.monotonic() - killed_at <= 3 * HEARTBEAT_MS / 1000 + SUSPECT_S + 0.3
     assert a.health()[0] == 200
 
 

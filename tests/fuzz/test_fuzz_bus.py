@@ -611,3 +611,52 @@ def test_an_import_its_prefill_no_longer_sends_is_freed_long_before_the_lease(fu
 
     asyncio.run(main())
     assert fuzz_cluster.wait_idle(30) == {"p-0": 0, "rld-0": 0, "md-0": 0}
+
+
+def test_requests_of_a_router_that_came_back_as_a_new_process_are_cancelled(fuzz_cluster) -> None:
+    """A router restarted under the same id (another started_unix in its announce) no longer knows the requests
+    its old process owned: P, RLD and MD cancel them (roles/router_watch.py) instead of decoding to the end for
+    nobody. Here a stand-in router announces itself, submits a long P-MD request, and announces again as a new
+    process once the first tokens arrive: the stream stops well before max_tokens and no block stays held."""
+    router = "router-fz"
+    subject = Subjects.router_events(router)
+
+    def announce(started: float) -> bytes:
+        return Announce(instance_id=router, role=Role.ROUTER, site="site-a", state="ready", load=0.0,
+                        running_requests=0, free_kv_blocks=0, total_kv_blocks=0, heartbeat_ms=500,
+                        started_unix=started).encode()
+
+    async def main() -> int:
+        nc = await nats.connect(fuzz_cluster.nats.url, name="fuzz-regression")
+        got: list[int] = []
+        first = asyncio.Event()
+
+        async def on_event(msg) -> None:
+            m = protocol.decode(msg.data)
+            items = [protocol.decode_envelope(i) for i in m.items] if m.TYPE == "batch" else [m]
+            for item in items:
+                got.extend(getattr(item, "token_ids", []) or [])
+                if got:
+                    first.set()
+
+        try:
+            await nc.subscribe(subject, cb=on_event)
+            await nc.publish(Subjects.ANNOUNCE, announce(1000.0))
+            await nc.flush()
+            await asyncio.sleep(0.5)
+            await nc.publish(Subjects.instance("p-0", "submit"), protocol.SubmitRequest(
+                request_id="fz-orphaned-by-router", prompt_ids=list(range(40, 80)),
+                sampling=SamplingSpec(max_tokens=900, ignore_eos=True), pipeline="P-MD", events_subject=subject,
+                deadline_unix=time.time() + 120, md_instance="md-0").encode())
+            await asyncio.wait_for(first.wait(), 30)
+            await nc.publish(Subjects.ANNOUNCE, announce(2000.0))  # the same id, a new process
+            await nc.flush()
+            await asyncio.sleep(3.0)
+            return len(got)
+        finally:
+            await nc.close()
+
+    tokens = asyncio.run(main())
+    assert 0 < tokens < 900
+    assert fuzz_cluster.wait_idle(30) == {"p-0": 0, "rld-0": 0, "md-0": 0}
+    assert log_events(fuzz_cluster, "router_requests_cancelled").get("md-0", 0) >= 1

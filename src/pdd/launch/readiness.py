@@ -68,10 +68,14 @@ def router_ready(base_url: str, port: int, router_id: str, router_log: Path, log
     """Our own router serves on ``port`` and has every role: /health says 200 with ``router_id``, and the
     router process we started logged that it listens on that port (another system's router answers
     with the same id when it runs `pdd up` too, but it cannot write our router's log)."""
+    return routers_ready(base_url, port, {router_id: (router_log, log_offset)})
+
+
+def routers_ready(base_url: str, port: int, routers: dict[str, tuple[Path, int]]) -> bool:
+    """Several routers sharing ``port`` (SO_REUSEPORT): the one /health reached is one of ours and says 200,
+    and every one of them logged that it listens on the port (by their logs: id -> (path, offset))."""
     code, body = http_json(base_url + "/health")
-    if code != 200 or not isinstance(body, dict) or body.get("router") != router_id:
+    if code != 200 or not isinstance(body, dict) or body.get("router") not in routers:
         return False
-    for event in log_events(router_log, log_offset):
-        if event.get("event") == "api_listening" and urlparse(str(event.get("url", ""))).port == port:
-            return True
-    return False
+    return all(any(event.get("event") == "api_listening" and urlparse(str(event.get("url", ""))).port == port
+                   for event in log_events(log, offset)) for log, offset in routers.values())

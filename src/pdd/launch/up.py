@@ -35,7 +35,7 @@ from pdd.engine.core.dtypes import AUTO, SERVING_DTYPES
 from pdd.launch import emulate
 from pdd.launch.children import child_env, serve_argv
 from pdd.launch.natsserver import free_port, start_nats_server
-from pdd.launch.readiness import port_taken, progress, router_ready, service_ready
+from pdd.launch.readiness import port_taken, progress, routers_ready, service_ready
 from pdd.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites, netns_sites
 from pdd.launch.supervisor import CrashLoop, Supervisor
 from pdd.shared.config import ConfigError, ConfigWarning, PDDConfig, load_config
@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default=None, choices=[AUTO, *SERVING_DTYPES],
                         help="KV dtype (default: the base config's, auto: the weights' dtype)")
     parser.add_argument("--port", type=int, default=8000, help="API port (127.0.0.1)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="router processes sharing the API port (SO_REUSEPORT: the kernel spreads connections; "
+                             "each owns the requests it accepted; docs/OPERATIONS.md)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--wan", default=None,
                         help=f"emulated WAN between the sites: rate=..,delay=..[,jitter=..] (e.g. rate=1gbit,delay=5ms) "
@@ -209,12 +212,17 @@ def build_config(args: argparse.Namespace, nats_url: str, run_dir: Path, notes: 
     base["nats"]["url"] = nats_url
     base["sites"] = [{"name": "site-a", "description": "prefill datacenter"},
                      {"name": "site-b", "description": "decode datacenter"}]
-    counts = {Role.ROUTER: 1, Role.PREFILL: args.prefill, Role.RELAY: args.relay, Role.MAIN_DECODE: args.main_decode}
+    routers = getattr(args, "routers", 1)
+    if routers < 1:
+        raise ValueError(f"--routers must be >= 1 (got {routers})")
+    counts = {Role.ROUTER: routers, Role.PREFILL: args.prefill, Role.RELAY: args.relay,
+              Role.MAIN_DECODE: args.main_decode}
     instances = [{"id": f"{role}-{i}", "role": role.value, "site": "site-b" if role == Role.MAIN_DECODE else "site-a"}
                  for role, n in counts.items() for i in range(n)]
     base["instances"] = instances
     base["router"]["host"] = args.host
     base["router"]["port"] = args.port
+    base["router"]["reuse_port"] = routers > 1
     base["router"]["api_keys"] = list(base["router"]["api_keys"]) + list(getattr(args, "api_key", None) or [])
     notes["wan"] = wan_shape(base, args.wan) + (f" - from {notes['wan_why']}" if "wan_why" in notes else "")
     notes["curve"] = wan_curve(base, run_dir, enabled=not getattr(args, "no_curve", False))
@@ -319,21 +327,21 @@ def run(args: argparse.Namespace) -> int:
         curve = config["transports"]["wan"]["options"].get("curve")
         _say(f"WAN KV: {config['transports']['wan']['name']}, "
              + ("CURVE-encrypted" if curve else "NOT encrypted (no CURVE)"))
-        router_id = ""
+        routers: list[str] = []
         for inst in config["instances"]:
             log_path = run_dir / f"{inst['id']}.log"
             child = supervisor.add(inst["id"], _service_starter(inst, load_config_path, log_path, sites), log_path,
                                    ready=lambda c: service_ready(c.log_path, c.log_offset))
             if inst["role"] == Role.ROUTER:
-                router_id = inst["id"]
+                routers.append(inst["id"])
             _say(f"started {inst['role']:<8} {inst['id']:<10} site={inst['site']} pid={child.proc.pid}")
-        router = supervisor.children[router_id]
         base_url = f"http://{args.host}:{args.port}"
         deadline = time.monotonic() + args.startup_timeout
         last_status = ""
         while not stop["now"]:
             supervisor.poll()
-            if router_ready(base_url, args.port, router_id, router.log_path, router.log_offset):
+            logs = {r: (supervisor.children[r].log_path, supervisor.children[r].log_offset) for r in routers}
+            if routers_ready(base_url, args.port, logs):
                 break
             status = ", ".join(f"{c.name}: {progress(c.log_path, c.log_offset)}"
                                for c in supervisor.children.values() if c.tier > 0)

@@ -83,6 +83,9 @@ class DecoderService(EngineService):
     def in_flight(self) -> int:
         return len(self.incoming)
 
+    def requests_of(self, events_subject: str) -> list[str]:
+        return [rid for rid, inc in self.incoming.items() if inc.req.events_subject == events_subject]
+
     async def _on_prepare(self, message: Message, _: Envelope) -> Message:
         assert isinstance(message, PrepareImport)
         rid = message.request_id

@@ -15,6 +15,7 @@ from pdd.engine import SamplingParams
 from pdd.engine.interface import EngineBackend
 from pdd.roles.engine_runner import EngineRunner
 from pdd.roles.peer_links import PeerLinks
+from pdd.roles.router_watch import RouterWatch
 from pdd.shared import metrics
 from pdd.shared.bus import Bus, Envelope
 from pdd.shared.config import ConfigError, InstanceConfig, PDDConfig, TransportConfig
@@ -128,6 +129,7 @@ class EngineService(Service):
         self.runner: EngineRunner | None = None
         self.transports: dict[str, KVTransport] = {}
         self.links = PeerLinks(self.transports)  # one shared link per remote pool (roles/peer_links.py)
+        self.router_watch = RouterWatch(config.service, self._router_lost)  # requests of a dead router end here
         self._outbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue()
         self._cache_counted = (0, 0)  # prefix-cache (query, hit) tokens already added to the counters
 
@@ -160,6 +162,19 @@ class EngineService(Service):
                                  expect=CacheQuery)
         self._tasks.append(asyncio.create_task(self._publish_cache_events(), name="cache-events"))
         self._tasks.append(asyncio.create_task(self._drain_outbox(), name="outbox"))
+        await self.router_watch.start(self.bus)
+
+    def requests_of(self, events_subject: str) -> list[str]:
+        """The requests here whose tokens go to ``events_subject`` (one router's): roles with requests override."""
+        return []
+
+    async def _router_lost(self, router_id: str) -> None:
+        """The router that owned these requests is gone: nobody reads their tokens or will cancel them."""
+        rids = self.requests_of(Subjects.router_events(router_id))
+        for rid in rids:
+            await self.cancel_request(rid, f"router {router_id} lost")
+        if rids:
+            log.warning("router_requests_cancelled", router=router_id, requests=len(rids))
 
     def post(self, subject: str, message: Message) -> None:
         """Publish from synchronous engine callbacks, keeping the order messages were posted in."""
@@ -182,6 +197,7 @@ class EngineService(Service):
                             await self.cancel_request(rid, "publish failed")
 
     async def on_stop(self) -> None:
+        await self.router_watch.stop()
         for transport in self.transports.values():
             await transport.close()
         if self.runner is not None:

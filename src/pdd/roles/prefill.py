@@ -58,6 +58,7 @@ class PrefillService(EngineService):
     def __init__(self, config, instance):
         super().__init__(config, instance)
         self._active: dict[str, asyncio.Task] = {}
+        self._subjects: dict[str, str] = {}  # request -> the events subject of the router that owns it
         # (request, receiver) -> when its KV was sent and kv_ready published: a receiver asking just before the
         # kv_ready reaches it must hear "sent", not "unknown" (which frees its reservation)
         self._sent: dict[tuple[str, str], float] = {}
@@ -73,6 +74,9 @@ class PrefillService(EngineService):
 
     def in_flight(self) -> int:
         return len(self._active)
+
+    def requests_of(self, events_subject: str) -> list[str]:
+        return [rid for rid, subject in self._subjects.items() if subject == events_subject]
 
     def cache_summary_extra(self) -> dict:
         return self.wan_backlog.summary()
@@ -93,7 +97,12 @@ class PrefillService(EngineService):
             return
         task = asyncio.create_task(self._run(message), name=f"prefill-{message.request_id}")
         self._active[message.request_id] = task
-        task.add_done_callback(lambda _: self._active.pop(message.request_id, None))
+        self._subjects[message.request_id] = message.events_subject
+
+        def done(_: asyncio.Task) -> None:
+            self._active.pop(message.request_id, None)
+            self._subjects.pop(message.request_id, None)
+        task.add_done_callback(done)
 
     async def _on_transfer_check(self, message: Message, _: Envelope) -> Message:
         """A receiver whose KV has not landed asks whether it is still coming (decoder_service's lease)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,23 @@ REQUIRED_ROLES = ENGINE_ROLES
 
 def model_display_name(config: PDDConfig) -> str:
     return config.model.served_name
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` that other routers on this host bind too (SO_REUSEPORT: the kernel
+    spreads new connections over them). An OSError (port held without SO_REUSEPORT) stops the router."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class RouterService(Service):
@@ -61,11 +79,12 @@ class RouterService(Service):
         from pdd.router.api import create_app
 
         app = create_app(self)
-        cfg = uvicorn.Config(app, host=self.config.router.host, port=self.config.router.port, log_level="warning",
-                             access_log=False, lifespan="off")
+        rc = self.config.router
+        cfg = uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning", access_log=False, lifespan="off")
         self._uvicorn = uvicorn.Server(cfg)
         self._uvicorn.install_signal_handlers = lambda: None  # the service owns SIGTERM (drain)
-        self._tasks.append(asyncio.create_task(self._uvicorn.serve(), name="http-api"))
+        sockets = [shared_port_socket(rc.host, rc.port)] if rc.reuse_port else None
+        self._tasks.append(asyncio.create_task(self._uvicorn.serve(sockets=sockets), name="http-api"))
         while not self._uvicorn.started:
             await asyncio.sleep(0.02)
         port = self._uvicorn.servers[0].sockets[0].getsockname()[1]

@@ -247,6 +247,10 @@ class InstanceConfig(_Strict):
 class RouterConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    reuse_port: bool = Field(False, description=(
+        "bind the API port with SO_REUSEPORT so several router processes on this host share it (the kernel "
+        "spreads connections over them; `pdd up --routers N` sets it). A port held by a process without it "
+        "still refuses the bind"))
     request_timeout_s: float = Field(600.0, gt=0, description="per-request deadline")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     api_keys: list[str] = Field(default_factory=list, description="Bearer keys; empty = no auth")

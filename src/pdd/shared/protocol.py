@@ -315,6 +315,7 @@ class Announce(Message):
     kv_layout: dict = field(default_factory=dict)  # engine roles: KVLayout.to_dict(); one per fleet (dtype incl.)
     endpoints: dict = field(default_factory=dict)  # e.g. {"metrics": "http://..", "kv": {...}}
     sent_unix: float = 0.0
+    started_unix: float = 0.0  # when this process started: another value under the same id is a new process
 
 
 @dataclass

@@ -152,7 +152,7 @@ class Service:
             endpoints.setdefault("metrics", self.metrics_url)
         return Announce(instance_id=self.instance_id, role=self.role, site=self.instance.site, state=self.state,
                         heartbeat_ms=self.config.service.heartbeat_ms, endpoints=endpoints,
-                        sent_unix=time.time(), **fields)
+                        sent_unix=time.time(), started_unix=self.started_unix, **fields)
 
     async def _announce(self) -> None:
         if self.bus.is_connected:
