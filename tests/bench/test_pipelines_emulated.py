@@ -48,7 +48,7 @@ def test_the_sim_of_a_run_follows_each_setups_rules(scenario, tiny_model, tmp_pa
     assert {n: i.kind for n, i in inputs.items()} == {
         "colocated": "local", "naive": "naive", "naive-stream0": "naive", "pdd": "pdd"}
     assert not inputs["naive"].drc and inputs["pdd"].drc
-    assert inputs["pdd"].wan.flows == 1 and inputs["pdd"].wan.throughput_sigma == 0
+    assert inputs["pdd"].wan.concurrent_transfers == 1 and inputs["pdd"].wan.throughput_sigma == 0
     assert all((i.arrivals == inputs["pdd"].arrivals).all() for i in inputs.values())
     assert (inputs["pdd"].n_prefill, inputs["pdd"].n_relay, inputs["pdd"].n_decode) == (1, 1, 1)
     # a turn waits for its session's previous turn, in live and sim alike

@@ -184,3 +184,23 @@ def test_a_failed_request_still_releases_the_one_waiting_for_it():
     r = simulate(inp)
     assert list(r.ok) == [False, True, True, True]
     assert r.arrival[1] >= inp.arrivals[1] and r.arrival[2] >= r.arrival[1] + r.e2e[1] - 1e-9
+
+
+def test_striping_pays_up_to_the_line():
+    """A transfer striped over s flows runs at min(s x per-flow, line); the line carries as many at once as fit."""
+    one = WanLink(bandwidth_gbps=100, per_flow_gbps=10, streams=1)
+    four = replace(one, streams=4)
+    wide = replace(one, streams=16)
+    assert (one.transfer_gbps, one.concurrent_transfers) == (10, 10)
+    assert (four.transfer_gbps, four.concurrent_transfers) == (40, 2)
+    assert (wide.transfer_gbps, wide.concurrent_transfers) == (100, 1)
+    with pytest.raises(ValueError, match="streams >= 1"):
+        WanLink(streams=0)
+    # one naive request alone: its KV crosses 4x faster on 4 flows, 10x on 16 (the line caps it)
+    ttft = {}
+    for link in (one, four, wide):
+        inp = replace(_input("naive", n=1, rate=1.0), wan=replace(link, setup_s=0.0, jitter_sigma=0.0))
+        ttft[link.streams] = float(simulate(inp).ttft[0])
+    payload = 8000 * 50_000 * 8 / 1e9  # seconds at 1 Gbit/s
+    assert ttft[1] - ttft[4] == pytest.approx(payload / 10 - payload / 40, rel=1e-6)
+    assert ttft[4] - ttft[16] == pytest.approx(payload / 40 - payload / 100, rel=1e-6)

@@ -45,23 +45,39 @@ def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class WanLink:
-    """One leased line between the sites: a shared pipe, per-transfer cap, setup cost, jitter."""
+    """One leased line between the sites: the line's aggregate rate, one TCP flow's rate, how many flows one
+    KV transfer is striped over (the zmq transport's ``streams``), setup cost, jitter.
 
-    bandwidth_gbps: float = 100.0
-    per_flow_gbps: float = 10.0  # effective throughput of one KV transfer
+    A transfer runs at min(streams x per-flow rate, line rate); the line carries as many such transfers at
+    once as fit in it (``concurrent_transfers``), later ones queue. On a long fat pipe one flow does not fill
+    the line, which is what striping buys."""
+
+    bandwidth_gbps: float = 100.0  # the line
+    per_flow_gbps: float = 10.0  # one TCP flow's throughput
+    streams: int = 1  # flows one transfer is striped over
     setup_s: float = 0.18  # per-transfer fixed cost (handshake, slow start, registration)
     latency_s: float = 0.015  # one-way latency for small control messages (token ids, "ready")
     jitter_sigma: float = 0.5  # lognormal sigma of the setup-time multiplier (mean kept)
     throughput_sigma: float = 0.0  # lognormal sigma of the payload-time multiplier (median 1)
 
-    @property
-    def flows(self) -> int:
-        """Concurrent transfers the link carries at full per-flow speed."""
-        return max(1, int(round(self.bandwidth_gbps / max(self.per_flow_gbps, 1e-9))))
+    def __post_init__(self) -> None:
+        if self.streams < 1 or self.per_flow_gbps <= 0 or self.bandwidth_gbps <= 0:
+            raise ValueError(f"WanLink: streams >= 1 and positive rates needed (got streams={self.streams}, "
+                             f"per_flow_gbps={self.per_flow_gbps}, bandwidth_gbps={self.bandwidth_gbps})")
 
     @property
-    def flow_bytes_per_s(self) -> float:
-        return min(self.per_flow_gbps, self.bandwidth_gbps) * 1e9 / 8
+    def transfer_gbps(self) -> float:
+        """One transfer's rate: its flows together, at most the line."""
+        return min(self.streams * self.per_flow_gbps, self.bandwidth_gbps)
+
+    @property
+    def concurrent_transfers(self) -> int:
+        """Transfers the line carries at once at full transfer speed (later ones wait for one to end)."""
+        return max(1, int(self.bandwidth_gbps / self.transfer_gbps + 1e-9))
+
+    @property
+    def transfer_bytes_per_s(self) -> float:
+        return self.transfer_gbps * 1e9 / 8
 
 
 def build(cls: type, data: dict[str, Any]) -> Any:

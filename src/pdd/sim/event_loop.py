@@ -253,8 +253,8 @@ class _Run:
         # --- events and links -------------------------------------------------------------------------
         self.events: list = []
         self.seq = itertools.count(1)  # event tie-break: the order events were pushed
-        self.wan_flows = [0.0] * (wan.flows if wan else 1)
-        self.flow_bps = wan.flow_bytes_per_s if wan else 1.0
+        self.wan_flows = [0.0] * (wan.concurrent_transfers if wan else 1)  # when each slot frees
+        self.flow_bps = wan.transfer_bytes_per_s if wan else 1.0
         self.wan_bytes = [0.0]  # one cell, added to by the transfer helpers and the loop
         self.wan_sending: dict[int, tuple[float, float, float]] = {}  # rid -> (data begins, ends, bytes) of its KV
         self.rdma_bps = inp.rdma_gbps * 1e9 / 8

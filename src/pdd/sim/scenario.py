@@ -110,9 +110,9 @@ def stage_capacity(inp: SimInput) -> dict[str, float]:
         crossing, wan_bytes, relay_tokens = np.ones(len(prompt), bool), prompt * kvb, np.zeros(len(prompt))
     else:
         crossing, wan_bytes, relay_tokens = _pdd_routes(inp, cached, mean_mult)
-    mean_t = (crossing * wan.setup_s + wan_bytes / wan.flow_bytes_per_s * mean_mult).mean()
+    mean_t = (crossing * wan.setup_s + wan_bytes / wan.transfer_bytes_per_s * mean_mult).mean()
     if mean_t > 0:
-        cap["wan"] = min(wan.flows / mean_t, wan.bandwidth_gbps * 1e9 / 8 / max(1.0, float(wan_bytes.mean())))
+        cap["wan"] = min(wan.concurrent_transfers / mean_t, wan.bandwidth_gbps * 1e9 / 8 / max(1.0, float(wan_bytes.mean())))
     if inp.relay is not None and inp.n_relay and relay_tokens.any():
         cap["relay"] = _decode_capacity(inp.relay, inp.n_relay, prompt, output, float(relay_tokens.mean()))
     return cap
@@ -140,7 +140,7 @@ def _pdd_routes(inp: SimInput, cached: np.ndarray, mean_mult: float) -> tuple[np
     relay_step = inp.relay.step_time(1, 0) if rld else 0.0
     crossing, wan_bytes, relay_tokens = (np.zeros(len(cached), bool), np.zeros(len(cached)),
                                          np.zeros(len(cached)))
-    bps = inp.route_bandwidth_bps or wan.flow_bytes_per_s
+    bps = inp.route_bandwidth_bps or wan.transfer_bytes_per_s
     for i, (p, m, mt, out) in enumerate(zip(inp.prompt.tolist(), md_cached.tolist(), sent.tolist(),
                                             inp.output.tolist())):
         dec = choose_pipeline(RouteInputs(prompt_tokens=p, max_tokens=mt, p_cached_tokens=int(cached[i]),
@@ -151,6 +151,6 @@ def _pdd_routes(inp: SimInput, cached: np.ndarray, mean_mult: float) -> tuple[np
             continue
         crossing[i], wan_bytes[i] = True, dec.wan_bytes
         if dec.pipeline == Pipeline.P_RLD_MD:
-            transfer = wan.setup_s + dec.wan_bytes / wan.flow_bytes_per_s * mean_mult
+            transfer = wan.setup_s + dec.wan_bytes / wan.transfer_bytes_per_s * mean_mult
             relay_tokens[i] = min(out, transfer / relay_step) if relay_step > 0 else out
     return crossing, wan_bytes, relay_tokens
