@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 
 import pytest
 import zmq
@@ -136,3 +137,22 @@ def test_keys_cli_writes_loadable_pair(tmp_path) -> None:
     assert zmq.curve_public(secret) == public
     assert (tmp_path / "site-a.key_secret").stat().st_mode & 0o077 == 0
     assert main(["keys", "--out", str(tmp_path), "--name", "site-a"]) == 1  # no silent overwrite
+
+
+@pytest.mark.parametrize("streams, line, flow, expected_s", [
+    (1, "10gbit", "1gbit", 8e-3),  # one flow: a flow's rate, however wide the line
+    (4, "10gbit", "1gbit", 2e-3),  # striped over 4 flows: 4x
+    (4, "2gbit", "1gbit", 4e-3),  # the line caps what striping buys
+])
+def test_shaper_models_flows_and_the_line(streams, line, flow, expected_s) -> None:
+    """With ``flow_rate`` a send is striped over the transport's ``streams`` flows: it crosses at
+    min(streams x flow_rate, rate), and sends in a row share the line (``rate``)."""
+    shaped = create_transport("inproc", {"streams": streams, "shape": {"rate": line, "flow_rate": flow}})
+    nbytes = 1_000_000
+    before = time.monotonic()
+    arrival = shaped._schedule(nbytes, [before])
+    after = time.monotonic()
+    assert before + expected_s <= arrival <= after + expected_s
+    line_s = nbytes * 8 / shaped.rate_bps
+    second = shaped._schedule(nbytes, [time.monotonic()])  # another send: its own flows, the same line
+    assert second >= before + 2 * line_s and second >= arrival

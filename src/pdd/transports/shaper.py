@@ -3,7 +3,9 @@
 For non-root machines and unit tests. Each send is cut per layer; a layer's bytes occupy the
 emulated link for ``bytes / rate`` (a token bucket shared by all sends of this transport, so
 concurrent transfers share bandwidth), then arrive ``delay ± jitter`` later (in order, like a FIFO
-link). ``set_down(True)`` blackholes the link: sends stall and fail with PeerLostError after
+link). ``flow_rate`` adds what one TCP flow gets on a long fat pipe: a send is striped over the
+transport's ``streams`` flows, so it also takes at least ``bytes / (streams x flow_rate)`` on its own
+(a bucket per send), however idle the line; several sends share ``rate``, the line. ``set_down(True)`` blackholes the link: sends stall and fail with PeerLostError after
 ``down_timeout_s`` while receivers see nothing — a WAN cut. ``down_file``: the link is also down
 while that file exists, so a test or an operator can cut a running service's WAN from outside.
 """
@@ -25,11 +27,13 @@ from .units import rate_bits, seconds
 class ShapedTransport(KVTransport):
     def __init__(self, inner: KVTransport, rate: str | float | None = None, delay: str | float = 0.0,
                  jitter: str | float = 0.0, seed: int = 0, down_timeout_s: float = 10.0,
-                 down_file: str | None = None) -> None:
+                 down_file: str | None = None, flow_rate: str | float | None = None) -> None:
         super().__init__(inner.options)
         self.inner = inner
         self.name = inner.name  # peers see the real transport
         self.rate_bps = rate_bits(rate) if rate else None
+        streams = max(1, int(inner.options.get("streams", 1) or 1))
+        self.transfer_bps = rate_bits(flow_rate) * streams if flow_rate else None  # one send's own ceiling
         self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
         self.down_timeout_s = down_timeout_s
         self.down_file = down_file
@@ -76,9 +80,10 @@ class ShapedTransport(KVTransport):
         per_layer = 2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor
         t0 = time.monotonic()
         deliveries = []
+        own_free_at = [t0]  # this send's flows, as a virtual clock
         for layer in layers:
             await self._wait_up(request_id)
-            arrival = self._schedule(per_layer)
+            arrival = self._schedule(per_layer, own_free_at)
             deliveries.append(asyncio.create_task(self._deliver(
                 arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context)))
         # every layer's delivery runs to its end (success or a typed failure): cancelling one mid-send
@@ -90,13 +95,18 @@ class ShapedTransport(KVTransport):
         results = outcomes
         return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results))
 
-    def _schedule(self, nbytes: int) -> float:
-        """Monotonic time at which these bytes have crossed the emulated link."""
+    def _schedule(self, nbytes: int, own_free_at: list[float]) -> float:
+        """Monotonic time at which these bytes have crossed the emulated link: through the line (shared) and
+        through this send's own flows (``own_free_at``, its virtual clock), whichever ends later."""
         now = time.monotonic()
         start = max(now, self._link_free_at)
         self._link_free_at = start + (nbytes * 8 / self.rate_bps if self.rate_bps else 0.0)
+        crossed = self._link_free_at
+        if self.transfer_bps:
+            own_free_at[0] = max(now, own_free_at[0]) + nbytes * 8 / self.transfer_bps
+            crossed = max(crossed, own_free_at[0])
         jitter = self._rng.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
-        arrival = max(self._link_free_at + max(0.0, self.delay_s + jitter), self._last_arrival)
+        arrival = max(crossed + max(0.0, self.delay_s + jitter), self._last_arrival)
         self._last_arrival = arrival
         return arrival
 
