@@ -115,3 +115,134 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
     hit = report["workload_md_hit"]
     assert 0 < hit < 1 and report["wan_bytes_ratio_if_only_missing_kv"] == pytest.approx(1 / (1 - hit), rel=1e-3)
     assert {"pdd:P-MD", "pdd:P-RLD-MD"} & {f"pdd:{k}" for k in report["setups"]["pdd"]["repeats"][0]["pipeline_mix"]}
+
+
+# ---- --trace: a Mooncake trace replayed live beside the simulator with block chains ----------------------------
+EXCERPT = ROOT / "tests" / "data" / "mooncake" / "conversation_excerpt.jsonl"
+
+
+@pytest.fixture(scope="module")
+def few_lines(tmp_path_factory) -> Path:
+    """Six lines of the excerpt, one per timestamp (0 to 15 s), each sharing its first block (hash id 0) with the
+    others: the caches' reuse is the trace's, and no two prompts arrive together."""
+    lines = EXCERPT.read_text().splitlines()
+    picked, seen = [], set()
+    for text in lines:
+        line = json.loads(text)
+        if line["timestamp"] not in seen and line["hash_ids"][0] == 0:
+            seen.add(line["timestamp"])
+            picked.append(text)
+    path = tmp_path_factory.mktemp("trace") / "few.jsonl"
+    path.write_text("\n".join(picked[:6]) + "\n")
+    return path
+
+
+def _trace_args(scenario: str, model: str, trace: Path, *extra: str):
+    return em.parse_args(["--model", model, "--scenario", scenario, "--trace", str(trace), "--trace-block-tokens", "32",
+                          *extra])
+
+
+def test_a_trace_run_is_the_replays_requests_and_the_sims_chains(scenario, tiny_model, few_lines, tmp_path) -> None:
+    """Cheap: prompts are replay.py's token ids (equal hash ids, equal blocks), the simulator gets the same lengths,
+    chains and outputs; a later run's ids share no block with the first; the default time scale is the scenario's
+    pdd prefill instances; the live engines' pools become the simulator's capacities."""
+    from pdd.loadgen.trace import prompt_token_ids, read_trace
+
+    args = _trace_args(scenario, tiny_model, few_lines, "--max-tokens", "output")
+    plan = em.plan(args, tmp_path)
+    reqs = read_trace(few_lines)
+    assert plan.trace is not None and plan.trace.time_scale == plan.scenario_split["prefill"] == 3
+    assert plan.rate == pytest.approx(plan.trace.rate / 3)
+    run = em.build_trace_run(plan, 0, None)
+    assert [r.prompt for r in run.planned] == [prompt_token_ids(r, 32, plan.trace.pool) for r in reqs]
+    assert all(r.prompt[:32] == run.planned[0].prompt[:32] for r in run.planned)  # hash id 0 in every prompt
+    assert [len(r.prompt) for r in run.planned] == run.arrays.prompt.tolist() == [r.input_tokens(32) for r in reqs]
+    assert [r.max_tokens for r in run.planned] == [r.sent_max_tokens for r in run.planned] == \
+        run.trace.output.tolist() == [r.output_length for r in reqs]
+    assert (run.unit / plan.rate).tolist() == pytest.approx([(r.arrival_s - reqs[0].arrival_s) * 3 for r in reqs])
+    other = em.build_trace_run(plan, 1, None)
+    assert not {h for c in other.trace.chains for h in c} & {h for c in run.trace.chains for h in c}
+    assert other.planned[0].prompt[:32] != run.planned[0].prompt[:32]
+    cap = {"prefill": 1600, "relay": 800, "main-decode": 3200}
+    inp = em.sim_input(plan, em.live.SETUPS["pdd"], run, plan.rate, cap)
+    assert inp.chains == run.trace.chains and inp.block_tokens == 32
+    assert (inp.prefill_cache_tokens, inp.relay.kv_capacity_tokens, inp.decode.kv_capacity_tokens) == (1600, 800, 3200)
+    assert (inp.after == -1).all()
+
+
+def test_requests_sharing_a_timestamp_spread_over_its_tick_in_file_order(scenario, tiny_model, tmp_path) -> None:
+    """The excerpt's first 12 lines: 10 at 0 s, 2 at 3 s (a 3 s grid). Spread (default): in file order, evenly up to
+    the next timestamp (the last tick: the median tick); burst: as recorded. Live and sim get the same times."""
+    import numpy as np
+
+    from pdd.bench.pipelines_trace import spread_ties
+
+    out, tick = spread_ties(np.array([0, 0, 0, 3, 3, 6.0]))
+    assert tick == 3 and out.tolist() == [0, 1, 2, 3, 4.5, 6]
+    assert spread_ties(np.array([5.0, 5.0]))[1] == 0  # one timestamp: no tick to spread over
+    times = {}
+    for ties in ("spread", "burst"):
+        args = em.parse_args(["--model", tiny_model, "--scenario", scenario, "--trace", str(EXCERPT),
+                              "--num-prompts", "12", "--trace-block-tokens", "16", "--trace-time-scale", "1",
+                              "--trace-ties", ties])
+        plan = em.plan(args, tmp_path)
+        run = em.build_trace_run(plan, 0, None)
+        times[ties] = (run.unit / plan.rate).tolist()
+        inp = em.sim_input(plan, em.live.SETUPS["pdd"], run, plan.rate)
+        assert inp.arrivals.tolist() == pytest.approx(times[ties])
+    assert times["burst"] == pytest.approx([0.0] * 10 + [3.0] * 2)
+    assert times["spread"] == pytest.approx([0.3 * k for k in range(10)] + [3.0, 4.5])
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["--trace-block-tokens", "24"], "multiple"),
+    (["--context-tokens", "128"], "own lengths"),
+    (["--max-tokens", "-3"], "max-tokens"),
+])
+def test_trace_flags_that_cannot_run_are_refused(scenario, tiny_model, few_lines, flags, why, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        em.parse_args(["--model", tiny_model, "--scenario", scenario, "--trace", str(few_lines), *flags])
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        em.parse_args(["--model", tiny_model, "--scenario", scenario, "--num-prompts", "3"])  # only with --trace
+
+
+@pytest.mark.timeout(300)
+def test_emulated_benchmark_on_a_trace_end_to_end(scenario, tiny_model, few_lines, tmp_path) -> None:
+    """Six excerpt lines through every setup, live and simulated: live and sim figures per setup, the same requests
+    (prompt lengths per request), and P's prefix hits live where the trace shares a prefix (no timing figure is
+    checked: the comparison's accuracy is the benchmark's output, not a test's)."""
+    from pdd.loadgen.trace import hit_tokens, read_trace
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pdd.bench.pipelines", "--backend", "emulated", "--model", tiny_model,
+         "--scenario", scenario, "--trace", str(few_lines), "--trace-block-tokens", "16", "--trace-time-scale", "0.1",
+         "--goodput-steps", "1", "--run-dir", str(tmp_path / "run")],
+        check=False, capture_output=True, text=True, timeout=290)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    reqs = read_trace(few_lines)
+    prompts = [r.input_tokens(16) for r in reqs]
+    shared = hit_tokens([r.hash_ids for r in reqs], prompts, 16)
+    assert shared.sum() > 0
+    t = report["trace"]
+    assert (t["file"], t["requests"], t["block_tokens"], t["time_scale"], t["max_tokens"]) == \
+        ("few.jsonl", 6, 16, 0.1, "none")
+    assert set(t["capacity_tokens"]) >= set(em.live.SETUPS)
+    assert set(report["setups"]) == set(em.live.SETUPS)
+    for name, setup in report["setups"].items():
+        rep = setup["repeats"][0]
+        assert rep["completed"] == rep["requests"] == rep["sim"]["completed"] == 6, (name, rep["errors"])
+        for key in ("ttft_p90_s", "ttft_mean_s", "goodput_rps", "wan_bytes_per_request", "p_hit_tokens"):
+            v = setup["vs_sim"][key]
+            assert v["live"] is not None and v["sim"] is not None, (name, key, v)
+        rows = json.loads(Path(rep["per_request_file"]).read_text())
+        assert [x["prompt"] for x in rows] == [x["sim_prompt"] for x in rows] == prompts, name
+        assert rep["trace_hits"]["prompts_equal"]
+        # P's cache served the shared first block live, as the simulator's chains say it could
+        assert 0 < rep["hit_tokens"]["prefill"] <= shared.sum(), (name, rep["hit_tokens"])
+        assert rep["sim"]["p_hit_tokens"] == shared.sum(), name
+    assert report["setups"]["colocated"]["vs_sim"]["wan_bytes_per_request"]["sim"] == 0
+    for name in ("naive", "naive-stream0", "pdd"):
+        assert report["setups"][name]["vs_sim"]["wan_bytes_per_request"]["live"] > 0, name

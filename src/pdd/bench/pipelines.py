@@ -172,8 +172,12 @@ class Planned:
     turn: int
     kind: str  # "first" (fresh task) | "turn" | "tool" (long tool output) | "anomalous"
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int  # output positions the client reads (and sends as max_tokens, unless hang_up)
     reuse: int  # leading tokens a warm cache holds from this session's previous request
+    # a trace replay (loadgen/trace.py MaxTokensRule): the body's max_tokens is ``sent_max_tokens`` (None: left
+    # out) and the client hangs up after ``max_tokens`` positions, the trace's output length, as loadgen does
+    hang_up: bool = False
+    sent_max_tokens: int | None = None
 
     @property
     def hit(self) -> float:
@@ -183,7 +187,8 @@ class Planned:
     def body(self) -> bytes:
         """The request's JSON, encoded once before any run: encoding a long prompt at its send time would
         count the client's own work in its TTFT and stall the client's loop (every other stream's timing)."""
-        return json.dumps(request_body(self.prompt, self.max_tokens)).encode()
+        sent = self.sent_max_tokens if self.hang_up else self.max_tokens
+        return json.dumps(request_body(self.prompt, sent)).encode()
 
 
 def word_ids(model_path: str) -> list[int]:
@@ -255,23 +260,30 @@ def handoff_stall(r: Result) -> float | None:
     return r.positions.stall(int(r.info["rld_tokens"]) + 1)
 
 
-def request_body(prompt: list[int], max_tokens: int) -> dict:
+def request_body(prompt: list[int], max_tokens: int | None) -> dict:
+    """A completions body of token ids; ``max_tokens`` None leaves the field out (the server's room)."""
     # usage on every chunk: how many tokens each chunk carried, so times are per output position
-    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
             "pdd": {"return_token_ids": True}}
+    if max_tokens is None:
+        del body["max_tokens"]
+    return body
 
 
 async def send(session, base_url: str, planned: Planned) -> Result:
     from pdd.loadgen.client import stream
 
-    s = await stream(session, base_url + "/v1/completions", planned.body)
+    s = await stream(session, base_url + "/v1/completions", planned.body,
+                     abort_after_tokens=planned.max_tokens if planned.hang_up else None)
     res = Result(planned, request_id=s.id, info=s.info)
     if s.exception is not None or s.status != 200 or s.error is not None:
         res.error = (f"{type(s.exception).__name__}: {s.exception}" if s.exception is not None
                      else f"HTTP {s.status}: {s.body_text[:200]}" if s.status != 200 else json.dumps(s.error))[:300]
         return res
     times = s.token_times()
+    if times is not None and planned.hang_up:  # the chunk that reached the read limit may carry tokens past it
+        times = times[:planned.max_tokens]
     if times is None or len(times) != planned.max_tokens:
         res.error = f"stream gave {len(times or [])} positions, expected {planned.max_tokens}"
         return res

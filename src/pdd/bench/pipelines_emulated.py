@@ -40,7 +40,12 @@ token ids, the simulator of the same run, the processes, the run, the figures); 
 runs and mean nothing apart. Everything the real-compute run also does (setups, drivers, summaries, the report's
 keys) is bench/pipelines.py's, imported, not restated.
 
+On a Mooncake trace instead of the sessions (--trace F: its requests as token ids, its timestamps x a time scale
+from the scenario, the simulator with the requests' block chains, so P's and MD's prefix caches are modeled):
+bench/pipelines_trace.py says what changes and why.
+
 Run: python -m pdd.bench.pipelines --backend emulated [--context-tokens 16384 --output-tokens 64 ...]
+     python -m pdd.bench.pipelines --backend emulated --trace F [--num-prompts N --max-tokens none|output|N ...]
 Last stdout line: one JSON object (bench/pipelines.py's keys, plus backend, scenario, scale, dilation,
 instance fraction, overrun shares and the sim_* figures).
 """
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import tempfile
@@ -61,6 +67,7 @@ import numpy as np
 import yaml
 
 from pdd.bench import pipelines as live
+from pdd.bench import pipelines_trace as trace_mode
 from pdd.loadgen.stats import Bisection, highest_passing, mean_ci95
 from pdd.loadgen.workload import WORDS, Workload, agentic_sessions
 from pdd.engine.emulated_backend import profile as emulation
@@ -70,7 +77,8 @@ from pdd.launch.emulate import BACKEND as EMULATED_BACKEND
 from pdd.engine.emulated_backend.settings import EmulationSettings
 from pdd.shared.pipelines import Pipeline
 from pdd.shared.roles import Role
-from pdd.sim.event_loop import SimInput, simulate
+from pdd.loadgen.trace import TraceArrays
+from pdd.sim.event_loop import P_MD, P_RLD_MD, SimInput, SimResult, simulate
 from pdd.sim.metrics import Slo, attainment
 from pdd.sim.scenario import Scenario, load_yaml, set_path, stage_capacity, unit_poisson
 
@@ -106,6 +114,7 @@ class Plan:
     vocab_size: int
     eos: list[int]
     to_id: dict[str, int]
+    trace: trace_mode.TraceSlice | None = None  # --trace: the slice replayed instead of the sessions
 
 
 def plan(args: argparse.Namespace, run_root: Path) -> Plan:
@@ -147,11 +156,14 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
     tok = load_tokenizer(resolve_model_path(args.model))
     eos = tok.eos_token_id
     vocab = live.word_ids(args.model)
-    return Plan(data=data, path=path, scn=scn, scale=scale, link=link, rate=args.rate or scenario_rate * fraction,
+    trace = (trace_mode.load_slice(args, scn.model.max_context_tokens, split["prefill"], trace_mode.token_pool(tok))
+             if args.trace else None)
+    rate = trace.modeled_rate if trace else args.rate or scenario_rate * fraction
+    return Plan(data=data, path=path, scn=scn, scale=scale, link=link, rate=rate,
                 fraction=fraction, scenario_rate=scenario_rate, scenario_split=split,
                 slo=Slo(**data.get("slo", {})), overrides=overrides, vocab_size=len(tok),
                 eos=[eos] if isinstance(eos, int) else [],
-                to_id={w: vocab[i % len(vocab)] for i, w in enumerate(WORDS)})
+                to_id={w: vocab[i % len(vocab)] for i, w in enumerate(WORDS)}, trace=trace)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +178,7 @@ class Run:
     after: np.ndarray  # per request, its session's previous turn (it goes out after that one ended), -1 for none
     warm: list[int]  # the sessions' shared prefix: one request with it warms P's and MD's caches
     seed: int
+    trace: TraceArrays | None = None  # --trace: the simulator's columns and block chains (caches simulated)
 
 
 def build_run(p: Plan, n: int, seed: int, args: argparse.Namespace) -> Run:
@@ -222,6 +235,18 @@ def build_run(p: Plan, n: int, seed: int, args: argparse.Namespace) -> Run:
                unit_poisson(len(planned), seed), after, warm, seed)
 
 
+def build_trace_run(p: Plan, salt: int, n: int | None) -> Run:
+    """Run ``salt`` of the trace slice (its first ``n`` requests): hash ids of its own, so its caches start cold
+    live as in the sim; arrivals at the trace's timestamps (unit = the slice's rate); nothing waits, nothing warms.
+    ``md_cached`` is the trace's unbounded-cache bound (the report's ceiling on the WAN ratio; the simulator
+    takes MD's hits from its simulated cache)."""
+    assert p.trace is not None
+    planned, arrays, unit = trace_mode.build(p.trace, salt, n)
+    bound = np.array([r.reuse for r in planned], dtype=np.int64)
+    wl = Workload(arrays.prompt, np.zeros_like(arrays.prompt), arrays.output)
+    return Run(planned, wl, bound, unit, np.full(len(planned), -1, dtype=np.int64), [], salt, arrays)
+
+
 def open_loop(run: Run) -> Run:
     """The run with no turn waiting for its session's previous one: a goodput probe offers its rate. A probe's
     few sessions (2 of 8 turns per 16 requests in the report's workload) would otherwise cap what it offers at
@@ -232,26 +257,36 @@ def open_loop(run: Run) -> Run:
 # ---------------------------------------------------------------------------------------------
 # the simulator of the same run
 # ---------------------------------------------------------------------------------------------
-def sim_input(p: Plan, setup: live.Setup, run: Run, rate: float) -> SimInput:
+def sim_input(p: Plan, setup: live.Setup, run: Run, rate: float, capacity: dict[str, int] | None = None) -> SimInput:
     """The live fleet of ``setup`` in the simulator: 1 instance per role, the run's arrays and arrival times, the
     setup's first-token rule and decode-side cache, and the link as the live shaper emulates it (one flow per P
-    process at the per-flow rate; no setup jitter or throughput spread)."""
+    process at the per-flow rate; no setup jitter or throughput spread). A trace run brings its block chains (P's
+    and MD's caches simulated); ``capacity`` (tokens per role, the live engines' pools) sizes them."""
     system = SYSTEM_OF[setup.name]
     roles = p.scn.system(system)["roles"]
     split = {"prefill": 1, "decode": 1, **({"relay": 1} if "relay" in roles else {})}
-    inp = p.scn.sim_input(system, split, rate, run.arrays, run.unit, seed=run.seed)
+    inp = p.scn.sim_input(system, split, rate, run.arrays, run.unit, seed=run.seed, trace=run.trace)
     if inp.wan is not None:
         inp.wan = replace(inp.wan, bandwidth_gbps=inp.wan.per_flow_gbps * split["prefill"], jitter_sigma=0.0,
                           throughput_sigma=0.0)
     inp.first_token_from_prefill = not setup.holds_first_token
     inp.drc = inp.drc and setup.md_cache
-    inp.md_cached = run.md_cached
+    if run.trace is None:
+        inp.md_cached = run.md_cached
+        inp.route_max_tokens = run.arrays.output  # the sessions' client sends each output length as max_tokens
     inp.after = run.after
+    if capacity:
+        inp.prefill_cache_tokens = capacity[Role.PREFILL]
+        inp.decode = inp.decode.with_(kv_capacity_tokens=capacity[Role.MAIN_DECODE])
+        if inp.relay is not None:
+            inp.relay = inp.relay.with_(kv_capacity_tokens=capacity[Role.RELAY])
     return inp
 
 
-def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> dict[str, Any]:
-    inp = sim_input(p, setup, run, rate)
+def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float,
+                capacity: dict[str, int] | None = None) -> tuple[dict[str, Any], SimResult]:
+    """The simulator's figures of one live run (times x dilation), and its result (per request)."""
+    inp = sim_input(p, setup, run, rate, capacity)
     res = simulate(inp)
     ok = res.ok
     ttft = res.ttft[ok] * d
@@ -263,10 +298,15 @@ def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> 
         return {"mean": round(float(x.mean()) * scale, 4), "p50": round(float(np.percentile(x, 50)) * scale, 4),
                 "p90": round(float(np.percentile(x, 90)) * scale, 4)}
 
-    return {"requests": len(ok), "completed": int(ok.sum()), "ttft_s": q(ttft), "tpot_ms": q(tpot, 1000),
+    figs = {"requests": len(ok), "completed": int(ok.sum()), "ttft_s": q(ttft), "tpot_ms": q(tpot, 1000),
             "wan_bytes": float(res.wan_bytes), "slo_attainment": round(attainment(res, p.slo), 4),
             "rld_token_share": round(res.tokens_relay / max(1.0, res.tokens_relay + res.tokens_main), 4),
             "turn_hold_s": round(float(np.mean(res.arrival - inp.arrivals)) * d, 4)}
+    if run.trace is not None:  # MD's hits where MD was asked for the KV (as its engine counts them), P's on all
+        to_md = np.isin(res.pipeline, (P_MD, P_RLD_MD))
+        figs["p_hit_tokens"], figs["md_hit_tokens"] = int(res.p_cached.sum()), int(res.md_cached[to_md].sum())
+        figs["p_cache_evictions"], figs["md_cache_evictions"] = res.p_evictions, res.md_evictions
+    return figs, res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,6 +314,10 @@ def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float) -> 
 # ---------------------------------------------------------------------------------------------
 CHUNK_TOKENS = emulate.CHUNK_TOKENS
 BLOCK_SIZE = 16  # the live engines' KV block: prefix caches hold whole blocks
+# keys of the engine's stats() (engine/core/paged_engine.py), as its /health gives them
+TOTAL_BLOCKS, FREE_BLOCKS, CACHED_BLOCKS = "total_blocks", "free_blocks", "cached_blocks"
+HIT_TOKENS, RUNNING, WAITING = "cache_hit_tokens", "running", "waiting"
+IDLE_TIMEOUT_S = 300.0  # the longest a run's leftover KV transfers may take to land (a backlog on the emulated WAN)
 
 
 def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_path: Path) -> dict:
@@ -323,6 +367,37 @@ class EmulatedSystem(live.System):
         return {"overrun_share": round(over / steps, 4) if steps else None, "steps": steps, "overrun_steps": over,
                 "engines": out}
 
+    def engine_stats(self, key: str) -> dict[str, Any]:
+        """One figure of each engine's /health engine block (its ``stats()``), by role (one instance each)."""
+        return {str(Role(m.role)): (m.health().get("engine") or {}).get(key) for m in self.cluster.engine_members()}
+
+    def capacities(self) -> dict[str, int]:
+        """Each engine's KV pool in tokens (total blocks x block size), as it runs: the simulator's capacities."""
+        return {role: int(blocks) * BLOCK_SIZE for role, blocks in self.engine_stats(TOTAL_BLOCKS).items()}
+
+    def wait_idle(self, timeout_s: float = IDLE_TIMEOUT_S) -> float:
+        """Wait until no engine runs, queues or holds KV outside its cache: every KV transfer of the run has
+        landed or been dropped (a relay that finished a request first leaves its WAN transfer going, and P's
+        WAN byte counter moves when a transfer ends). Returns the seconds waited (a warning past the limit: an
+        engine that leaks blocks must not hang the benchmark)."""
+        t0 = time.monotonic()
+        while True:
+            busy = [m.instance_id for m in self.cluster.engine_members()
+                    if (e := m.health().get("engine") or {}) and
+                    (e.get(RUNNING) or e.get(WAITING) or e.get(FREE_BLOCKS, 0) + e.get(CACHED_BLOCKS, 0)
+                     != e.get(TOTAL_BLOCKS, 0))]
+            if not busy:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                print(f"  warning: engines {busy} still busy {timeout_s:.0f}s after the run's last stream ended",
+                      flush=True)
+                return time.monotonic() - t0
+            time.sleep(0.2)
+
+    def hit_tokens(self) -> dict[str, int]:
+        """Prompt tokens each engine's prefix cache has served so far (the engine's own count, at once)."""
+        return {role: int(v or 0) for role, v in self.engine_stats(HIT_TOKENS).items()}
+
 
 async def warm_prefix(base_url: str, prompt: list[int]) -> None:
     """One untimed request with the sessions' shared prefix over P-MD: P's and MD's caches hold it, as the
@@ -362,17 +437,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="offered load as a share of naive's capacity (default: the scenario's comparison.ttft_load)")
     ap.add_argument("--rate", type=float, default=None, help="modeled req/s offered to the live fleet (overrides "
                                                               "the scenario's comparison rate x fraction)")
-    ap.add_argument("--seeds", type=int, default=2, help="repeats (one workload seed each)")
+    ap.add_argument("--seeds", type=int, default=None, help="repeats (one workload seed each; default 2, with "
+                                                             "--trace 1: the slice once, its hash ids fresh each time)")
     ap.add_argument("--requests", type=int, default=16, help="requests per repeat (whole sessions interleaved)")
-    ap.add_argument("--goodput-requests", type=int, default=12, help="requests per goodput probe")
+    ap.add_argument("--goodput-requests", type=int, default=None,
+                    help="requests per goodput probe (default 12; with --trace the slice's first N lines, default all)")
     ap.add_argument("--goodput-steps", type=int, default=2, help="bisection probes (the lowest only if all fail)")
     ap.add_argument("--goodput-range", default="0.5:4",
                     help="goodput search, as multiples of the repeats' rate")
     ap.add_argument("--setups", default=",".join(live.SETUPS))
     ap.add_argument("--run-dir", default=None, help="logs/config/spans (default: a temp dir, kept)")
+    trace_mode.add_arguments(ap, BLOCK_SIZE)
     args = ap.parse_args(argv)
     if args.output_tokens == 0:
         args.output_tokens = None
+    problem = trace_mode.check_arguments(args, BLOCK_SIZE)
+    if problem:
+        ap.error(problem)
+    if args.seeds is None:
+        args.seeds = 1 if args.trace else 2
+    if args.goodput_requests is None and not args.trace:
+        args.goodput_requests = 12
     return args
 
 
@@ -384,32 +469,50 @@ class Bench:
         self.systems: list[EmulatedSystem] = []
         self.setups: dict[str, dict[str, Any]] = {}
         self.runs: dict[int, Run] = {}
+        self.capacity: dict[str, dict[str, int]] = {}  # per setup: its live engines' KV pools (tokens), for the sim
 
-    def run_for(self, seed: int, n: int) -> Run:
+    def run_for(self, seed: int, n: int | None) -> Run:
+        """Seed ``seed``'s run: the scenario's sessions (``n`` requests), or with --trace the slice (its first
+        ``n`` lines; None: all) with hash ids of run ``seed``'s own."""
         if seed not in self.runs:
-            self.runs[seed] = build_run(self.plan, n, seed, self.args)
+            self.runs[seed] = (build_trace_run(self.plan, seed, n) if self.plan.trace
+                               else build_run(self.plan, n, seed, self.args))
         return self.runs[seed]
+
+    def repeat_requests(self) -> int | None:
+        """Requests per repeat: --requests of the sessions; with --trace the whole slice (None)."""
+        return None if self.plan.trace else self.args.requests
 
     def open(self, setup: live.Setup) -> EmulatedSystem:
         system = EmulatedSystem(setup, self.run_root / setup.name, self.plan, self.args)
         self.systems.append(system)
         startup = system.start()
         asyncio.run(live.warm_up(system.base_url, sorted(set(self.plan.to_id.values()))))
-        print(f"  [{setup.name}] ready in {startup:.1f}s", flush=True)
+        self.capacity[setup.name] = system.capacities()
+        if self.plan.trace:
+            asyncio.run(check_token_pool(system.base_url, self.plan.trace.pool))
+        print(f"  [{setup.name}] ready in {startup:.1f}s; KV pools (tokens) {self.capacity[setup.name]}", flush=True)
         return system
 
     def close(self, system: EmulatedSystem) -> None:
         system.stop()
         self.systems.remove(system)
 
-    def one_run(self, system: EmulatedSystem, run: Run, rate: float) -> tuple[list[live.Result], float, float]:
+    def one_run(self, system: EmulatedSystem, run: Run, rate: float,
+                hits: dict[str, int] | None = None) -> tuple[list[live.Result], float, float]:
         """Warm the shared prefix, then the run's requests at its arrival times (modeled rate, x dilation), each
-        turn after its session's previous one."""
+        turn after its session's previous one. ``hits``, when given, gets each engine's prefix-hit tokens of the
+        run (the engines' own counts; the run's streams have all ended, so have its prefills)."""
         asyncio.run(warm_prefix(system.base_url, run.warm))
+        system.wait_idle()
         wan0 = system.wan_bytes()
+        hits0 = system.hit_tokens() if hits is not None else {}
         d = self.args.time_dilation
         arrivals = (run.unit / rate * d).tolist()
         results, makespan = asyncio.run(live.run_at(system.base_url, run.planned, arrivals, run.after.tolist()))
+        system.wait_idle()  # transfers still landing count in this run's WAN bytes, and delay no later run
+        if hits is not None:
+            hits.update({role: v - hits0.get(role, 0) for role, v in system.hit_tokens().items()})
         return results, makespan, system.wan_bytes() - wan0
 
     def within_slo(self, results: list[live.Result]) -> float:
@@ -422,9 +525,11 @@ class Bench:
         out = []
         p, d = self.plan, self.args.time_dilation
         for seed in range(self.args.seeds):
-            run = self.run_for(seed, self.args.requests)
-            results, makespan, wan = self.one_run(system, run, p.rate)
+            run = self.run_for(seed, self.repeat_requests())
+            hits: dict[str, int] = {}
+            results, makespan, wan = self.one_run(system, run, p.rate, hits)
             s = live.summarize(results, makespan)
+            s["hit_tokens"] = hits
             s["wan_bytes_metric"] = wan
             s["wan_bytes_modeled"] = wan * p.scale
             s["slo_attainment"] = round(self.within_slo(results), 4)
@@ -432,14 +537,14 @@ class Bench:
             s["turn_hold_s"] = round(float(np.mean([r.sent - a for r, a in zip(results, run.unit / p.rate * d)])), 4)
             s["request_ids"] = [r.request_id for r in results if r.request_id]
             s["_results"] = results
-            s["sim"] = sim_figures(p, setup, run, p.rate, d)
+            s["sim"], s["_sim"] = sim_figures(p, setup, run, p.rate, d, self.capacity.get(setup.name))
             out.append(s)
             print(f"  [{setup.name}] seed {seed}: {s['completed']}/{s['requests']} ok in {makespan:.1f}s; TTFT p50 "
                   f"{s['ttft_s']['p50']}s (sim {s['sim']['ttft_s']['p50']}s), mean {s['ttft_s']['mean']}s (sim "
                   f"{s['sim']['ttft_s']['mean']}s); WAN {s['wan_bytes_modeled'] / 1e9:.2f} GB (sim "
                   f"{s['sim']['wan_bytes'] / 1e9:.2f}); turns held {s['turn_hold_s']}s "
                   f"(sim {s['sim']['turn_hold_s']}s); "
-                  f"{s['pipeline_mix']}", flush=True)
+                  f"{s['pipeline_mix']}{trace_hits_line(s) if run.trace is not None else ''}", flush=True)
         return out
 
     def goodput(self, system: EmulatedSystem | None, setup: live.Setup) -> Bisection:
@@ -453,7 +558,7 @@ class Bench:
             step[0] += 1
             run = open_loop(self.run_for(1000 + step[0], self.args.goodput_requests))
             if system is None:
-                res = simulate(sim_input(self.plan, setup, run, rate))
+                res = simulate(sim_input(self.plan, setup, run, rate, self.capacity.get(setup.name)))
                 return attainment(res, self.plan.slo) >= target
             results, makespan, _ = self.one_run(system, run, rate)
             share = self.within_slo(results)
@@ -475,10 +580,44 @@ class Bench:
         time.sleep(0.5)
         spans = live.read_spans(system.spans_path, {i for rep in reps for i in rep["request_ids"]})
         d = self.args.time_dilation
+        if self.plan.trace:
+            self.trace_rows(setup, reps, spans)
         return {"rule": setup.rule, "repeats": reps, "goodput": good, "sim_goodput": sim_good,
                 "slo": (self.plan.slo.ttft_s * d, self.plan.slo.tpot_s * d),
                 "calibration_ttft_p50": reps[0]["ttft_s"]["p50"], "fast_path": live.fast_path(spans),
                 "profile": live.span_profile(spans), "pacing": pacing}
+
+    def trace_rows(self, setup: live.Setup, reps: list[dict[str, Any]], spans: list[dict]) -> None:
+        """Per request of each repeat, live beside sim (hits, pipeline, TTFT; written to the run dir), their
+        totals in the repeat, and its pipeline mix from the spans (a client that hangs up gets no final info)."""
+        by_rid = trace_mode.span_hits(spans)
+        for k, rep in enumerate(reps):
+            rows = trace_mode.per_request(rep["_results"], rep["_sim"], by_rid, self.args.time_dilation,
+                                          self.plan.scale)
+            rep["pipeline_mix"] = trace_mode.live_pipeline_mix(rows)
+            rep["trace_hits"] = trace_mode.hit_summary(rows, setup.forced is None and setup.cross_site)
+            path = self.run_root / f"per_request_{setup.name}_{k}.json"
+            path.write_text(json.dumps(rows, indent=0))
+            rep["per_request_file"] = str(path)
+
+
+def trace_hits_line(rep: dict[str, Any]) -> str:
+    """A trace repeat's prefix hits, live (the engines' counts) and sim, for the progress line."""
+    hits, sim = rep["hit_tokens"], rep["sim"]
+    return (f"; hit tokens P {hits.get(Role.PREFILL)} (sim {sim['p_hit_tokens']}), MD {hits.get(Role.MAIN_DECODE)} "
+            f"(sim {sim['md_hit_tokens']})")
+
+
+async def check_token_pool(base_url: str, pool: list[int]) -> None:
+    """The setup's router gives the prompts' token pool as planned (replay.py's /tokenize question)."""
+    from pdd.loadgen.replay import token_pool
+    from pdd.loadgen.runner import list_models
+
+    cards = await list_models(base_url, None)
+    served, _ = await token_pool(base_url, cards[0]["id"])
+    if served != pool:
+        raise RuntimeError(f"{base_url}/tokenize gives another token pool ({len(served)} ids) than the trace's "
+                           f"prompts were built from ({len(pool)}): the router's tokenizer is not --model's")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,6 +655,41 @@ def comparison(setup: dict[str, Any], scale: float) -> dict[str, dict[str, float
     return out
 
 
+def rate_how(p: Plan, args: argparse.Namespace) -> str:
+    """How the offered rate was set, for the JSON."""
+    if p.trace:
+        return f"the trace slice's own rate ({p.trace.rate:.4g} req/s) / time scale {p.trace.time_scale:g}"
+    if args.rate is None:
+        return "scenario comparison rate (comparison.ttft_load x naive's capacity at its split) x instance fraction"
+    return "--rate"
+
+
+def trace_capacities(bench: Bench) -> dict[str, Any]:
+    """The simulator's capacities (the live engines' pools as they ran) beside the cost models' own."""
+    p = bench.plan
+    out: dict[str, Any] = {"how": "each engine's /health total_blocks x block size after start, given to the "
+                                  "simulator as P's cache (prefill_cache_tokens) and MD's / RLD's KV "
+                                  "(kv_capacity_tokens); the cost model's figure beside it"}
+    for name, cap in bench.capacity.items():
+        inp = sim_input(p, live.SETUPS[name], bench.run_for(0, bench.repeat_requests()), p.rate)
+        model = {Role.PREFILL: inp.prefill.kv_capacity_tokens, Role.MAIN_DECODE: inp.decode.kv_capacity_tokens}
+        if inp.relay is not None:
+            model[Role.RELAY] = inp.relay.kv_capacity_tokens
+        out[name] = {"live": {str(k): v for k, v in cap.items()}, "cost_model": {str(k): v for k, v in model.items()}}
+    return out
+
+
+def trace_comparison(setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """P's and MD's prefix-hit tokens, live (the engines' own counts) beside sim, summed over the repeats."""
+    reps = setup["repeats"]
+    out: dict[str, dict[str, Any]] = {}
+    for role, key in ((Role.PREFILL, "p_hit_tokens"), (Role.MAIN_DECODE, "md_hit_tokens")):
+        lv = sum(r["hit_tokens"].get(role, 0) for r in reps)
+        sv = sum(r["sim"][key] for r in reps)
+        out[key] = {"live": lv, "sim": sv, "rel_err": rel_err(lv, sv)}
+    return out
+
+
 def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
     p, args = bench.plan, bench.args
     wan = {"mbit": p.link.rate_bits / 1e6, "delay_ms": round(p.link.delay_s * 1e3, 3),
@@ -530,8 +704,7 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
                       "scenario_pdd_split": p.scenario_split},
         "rate_rps": {"modeled": round(p.rate, 4), "wall": round(p.rate / d, 4),
                      "scenario_comparison_rate": round(p.scenario_rate, 4),
-                     "how": "scenario comparison rate (comparison.ttft_load x naive's capacity at its split) x "
-                            "instance fraction" if args.rate is None else "--rate"},
+                     "how": rate_how(p, args)},
         "slo": {"ttft_s": p.slo.ttft_s, "tpot_s": p.slo.tpot_s, "attainment": p.slo.attainment,
                 "wall": "x time dilation"},
         "chips": {n: SYSTEM_OF[n] for n in bench.setups},
@@ -539,6 +712,8 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
         "overrun_share": {n: s["pacing"]["overrun_share"] for n, s in bench.setups.items()},
         "wan_bytes_units": "wan_bytes_metric: real bytes; wan_bytes_modeled and sim: modeled (x kv_scale)",
     })
+    if p.trace:
+        report["trace"] = {**p.trace.describe(), "capacity_tokens": trace_capacities(bench)}
     fp = report.get("fast_path_mb_per_s_p50")
     report["fast_path_mb_per_s_p50"] = round(fp * p.scale, 1) if fp else None  # modeled bytes, as the goal's
     report["goals"] = live.goals(report)
@@ -552,6 +727,9 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
         r["sim_goodput_rps"] = round(setup["sim_goodput"].value, 4)
         r["sim_goodput_search"] = {"note": setup["sim_goodput"].note, "probes": setup["sim_goodput"].probes}
         cmp_ = comparison(setup, p.scale)
+        if p.trace:
+            cmp_.update(trace_comparison(setup))
+            r["per_request_vs_sim"] = [rep.get("trace_hits") for rep in setup["repeats"]]
         r["vs_sim"] = cmp_
         for key, v in cmp_.items():
             r[f"sim_{key}"] = v["sim"]
@@ -575,7 +753,7 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
                                                                    report["sim_wan_bytes_ratio_naive_over_pdd"])
         # the ratio's ceiling on these requests: what moves if only the KV main decode lacks crosses (the
         # workload's own token-weighted hit h gives 1 / (1 - h); the goal's 10x is h = 0.90)
-        runs = [bench.run_for(seed, args.requests) for seed in range(args.seeds)]
+        runs = [bench.run_for(seed, bench.repeat_requests()) for seed in range(args.seeds)]
         prompt = sum(int(r.arrays.prompt.sum()) for r in runs)
         missing = sum(int((r.arrays.prompt - r.md_cached).sum()) for r in runs)
         report["workload_md_hit"] = round(1 - missing / prompt, 4) if prompt else None
@@ -598,6 +776,11 @@ def print_report(report: dict, bench: Bench) -> None:
           f"rate {report['rate_rps']['modeled']:.3f} req/s modeled ({report['rate_rps']['how']}); SLO TTFT "
           f"{report['slo']['ttft_s']} s, TPOT {report['slo']['tpot_s'] * 1000:g} ms (x dilation), attainment "
           f"{report['slo']['attainment']:.0%}")
+    if report.get("trace"):
+        t = report["trace"]
+        print(f"Trace: {t['file']}, {t['slice']} ({t['requests']} replayed, {t['skipped_too_long']} too long for "
+              f"{t['max_context_tokens']} tokens), blocks of {t['block_tokens']} tokens, max_tokens {t['max_tokens']}, "
+              f"time scale {t['time_scale']:g} ({t['time_scale_how']}); unbounded-cache hit {t['hit_unbounded']:.3f}")
     print("Chips: " + ", ".join(f"{n} -> system {c}" for n, c in report["chips"].items())
           + "; overrun share (steps past their deadline): "
           + ", ".join(f"{n} {_f(v, 4)}" for n, v in report["overrun_share"].items()))
@@ -607,11 +790,14 @@ def print_report(report: dict, bench: Bench) -> None:
     for key, label in (("ttft_p50_s", "TTFT P50 s"), ("ttft_p90_s", "TTFT P90 s"), ("ttft_mean_s", "TTFT mean s"),
                        ("tpot_p50_ms", "TPOT P50 ms"), ("goodput_rps", "goodput req/s (modeled)"),
                        ("wan_bytes_per_request", "WAN MB/request (modeled)"),
-                       ("turn_hold_s", "turn held for its session s")):
+                       ("turn_hold_s", "turn held for its session s"),
+                       ("p_hit_tokens", "P hit tokens (K)"), ("md_hit_tokens", "MD hit tokens (K)")):
+        if key not in report["setups"][cols[0]]["vs_sim"]:
+            continue
         cells = []
         for c in cols:
             v = report["setups"][c]["vs_sim"][key]
-            k = 1e-6 if key.startswith("wan") else 1.0
+            k = 1e-6 if key.startswith("wan") else 1e-3 if key.endswith("hit_tokens") else 1.0
             lv = None if v["live"] is None else v["live"] * k
             sv = None if v["sim"] is None else v["sim"] * k
             err = "-" if v["rel_err"] is None else f"{v['rel_err']:+.0%}"
@@ -639,11 +825,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(args, run_root)
     p = bench.plan
-    shape = live.workload_shape([r for seed in range(args.seeds) for r in bench.run_for(seed, args.requests).planned])
+    shape = live.workload_shape([r for seed in range(args.seeds)
+                                 for r in bench.run_for(seed, bench.repeat_requests()).planned])
+    what = (f"trace {p.trace.path.name} ({shape['requests'] // args.seeds} requests of its first {p.trace.lines} "
+            f"lines, {p.trace.skipped_too_long} too long; blocks of {p.trace.block_tokens} tokens; max_tokens "
+            f"{p.trace.rule}; time scale {p.trace.time_scale:g}: {p.trace.time_scale_how})" if p.trace
+            else f"{args.requests} requests")
     print(f"pipelines benchmark, emulated: scenario {args.scenario}, setups {names}, {args.seeds} seeds x "
-          f"{args.requests} requests; KV scale 1/{p.scale:.0f}, dilation x{args.time_dilation:g}; 1 P, 1 RLD, 1 MD "
-          f"(fraction {p.fraction:g} of {p.scenario_split}); rate {p.rate:.3f} req/s modeled (scenario "
-          f"{p.scenario_rate:.3f} x {p.fraction:g}); WAN {p.link.rate_bits / 1e6:.2f} Mbit/s, "
+          f"{what}; KV scale 1/{p.scale:.0f}, dilation x{args.time_dilation:g}; 1 P, 1 RLD, 1 MD "
+          f"(fraction {p.fraction:g} of {p.scenario_split}); rate {p.rate:.3f} req/s modeled ({rate_how(p, args)}); "
+          f"WAN {p.link.rate_bits / 1e6:.2f} Mbit/s, "
           f"{p.link.delay_s * 1e3:g} ms ({p.link.why}); run dir {run_root}", flush=True)
     with live.setups_running(bench.systems):
         for name in names:
