@@ -58,6 +58,13 @@ def test_backlog_counts_bytes_in_flight_and_egress_per_busy_second():
     backlog.started(500)
     backlog.finished(500, 0)  # failed: leaves the backlog, delivers nothing
     assert backlog.summary()[WAN_QUEUED_KEY] == 0.0
+    # with the egress known (1000 B/s), a transfer in flight counts only what it has left to send
+    now[0] = 20.0
+    backlog.started(5000)
+    now[0] = 23.0
+    assert backlog.summary()[WAN_QUEUED_KEY] == pytest.approx(2000.0)
+    now[0] = 30.0  # past its expected end, still unfinished: nothing is counted as queued
+    assert backlog.summary()[WAN_QUEUED_KEY] == 0.0
 
 
 def _announce(iid: str, site: str, summary: dict) -> Announce:

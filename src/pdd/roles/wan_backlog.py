@@ -4,6 +4,10 @@ measured while sending. Both go out in P's heartbeat, so every router sees the s
 
 Why the rate is measured here and not per transfer: concurrent transfers share the line, so one transfer's
 rate understates how fast the backlog drains; bytes delivered per second of having anything in flight does not.
+Why "left" and not the transfers' whole size: a long transfer nearly done is not a queue. The sender cannot see
+its transfers' progress, so since the backlog last was empty it counts the bytes started, less those of finished
+transfers or, if more, what the measured egress has carried meanwhile (the simulator's equivalent is the time
+until a transfer slot frees).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ class WanBacklog:
         self._busy_s = 0.0  # seconds with something in flight since the last sample
         self._since = clock()
         self._in_flight = 0
+        self._period_start = self._since  # when the backlog last went from empty to busy
+        self._period_started = 0  # bytes started since then
+        self._period_finished = 0  # bytes of transfers finished since then (planned sizes)
 
     def _account(self) -> None:
         now = self._clock()
@@ -33,8 +40,11 @@ class WanBacklog:
 
     def started(self, nbytes: int) -> None:
         self._account()
+        if not self._in_flight:
+            self._period_start, self._period_started, self._period_finished = self._since, 0, 0
         self._in_flight += 1
         self.queued += max(0, nbytes)
+        self._period_started += max(0, nbytes)
 
     def finished(self, planned: int, delivered: int) -> None:
         """A transfer ended (sent, failed or cancelled): ``planned`` leaves the backlog, ``delivered`` counts."""
@@ -42,6 +52,14 @@ class WanBacklog:
         self._in_flight = max(0, self._in_flight - 1)
         self.queued = max(0, self.queued - max(0, planned))
         self._delivered += max(0, delivered)
+        self._period_finished += max(0, planned)
+
+    def left(self) -> float:
+        """Bytes still to cross: started since the backlog was last empty, less what has crossed since."""
+        if not self._in_flight:
+            return 0.0
+        carried = self.rate * (self._clock() - self._period_start)
+        return float(max(0.0, min(self.queued, self._period_started - max(self._period_finished, carried))))
 
     def summary(self) -> dict[str, float]:
         """The heartbeat's fields; folds the interval's delivered bytes per busy second into the rate."""
@@ -50,4 +68,4 @@ class WanBacklog:
             sample = self._delivered / self._busy_s
             self.rate = sample if self.rate == 0 else (1 - EWMA_WEIGHT) * self.rate + EWMA_WEIGHT * sample
             self._delivered, self._busy_s = 0, 0.0
-        return {WAN_QUEUED_KEY: float(self.queued), WAN_EGRESS_KEY: self.rate}
+        return {WAN_QUEUED_KEY: self.left(), WAN_EGRESS_KEY: self.rate}

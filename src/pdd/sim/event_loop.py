@@ -301,14 +301,16 @@ def _transfer_ops(run: _Run):
         arrive = _cached_arrive(run)
 
     def wan_transfer(rid: int, nbytes: float, ready: float) -> float:
+        """The bytes hold a transfer slot of the line; the per-transfer setup (handshake, slow start: round
+        trips, not bandwidth) does not, so other transfers' bytes cross meanwhile. As the live emulation's shaper
+        does (transports/shaper.py: the link busy for the bytes, the setup a delay)."""
         t_free = heappop(wan_flows)
         begin = ready if ready > t_free else t_free
-        data_begin = begin + wan.setup_s * jit_l[rid]
-        end = data_begin + nbytes / flow_bps * tput_l[rid]
-        heappush(wan_flows, end)
+        data_end = begin + nbytes / flow_bps * tput_l[rid]
+        heappush(wan_flows, data_end)
         wan_bytes[0] += nbytes
-        wan_sending[rid] = (data_begin, end, nbytes)
-        return end
+        wan_sending[rid] = (begin, data_end, nbytes)
+        return data_end + wan.setup_s * jit_l[rid]
 
     def cancel_wan_transfer(rid: int, now: float) -> None:
         """The relay finished the request first: the live system cancels its KV transfer to MD, and the
@@ -565,6 +567,7 @@ def _loop(run: _Run) -> tuple[int, float]:
     pool_reserved, pool_cap, route_mt_l, md_pin, md_caches = (
         run.pool_reserved, run.pool_cap, run.route_mt_l, run.md_pin, run.md_caches)
     p_queued, req_p = run.p_queued, run.req_p
+    route_bytes = [0.0] * len(prompt_l)  # WAN bytes the route decided on, sent once the prefill ends
     heappush, heappop = heapq.heappush, heapq.heappop
     n_events = 0
     wan_naive = 0.0
@@ -587,7 +590,18 @@ def _loop(run: _Run) -> tuple[int, float]:
 
         if kind == _ARRIVE:
             arrive(a, now)
-        elif kind == _PREFILLED:  # route the request
+            if kind_sys == "pdd":  # the router decides on arrival, as the live one does, from what it sees now
+                load = pool_reserved[1] / pool_cap[1] if rld_available and pool_cap[1] else 0.0
+                if md_caches:
+                    md_pin[a], md_cached_l[a] = pick_md(a, prompt_l[a])
+                dec = choose_pipeline(RouteInputs(
+                    prompt_tokens=prompt_l[a], max_tokens=route_mt_l[a], p_cached_tokens=cached_l[a],
+                    md_cached_tokens=md_cached_l[a], kv_bytes_per_token=int(kvb),
+                    wan_bandwidth_bps=route_bps, rld_available=rld_available, rld_load=load,
+                    wan_queue_s=max(0.0, wan_flows[0] - now),
+                ), pol)
+                pipe[a], route_bytes[a] = _CODE[dec.pipeline], dec.wan_bytes
+        elif kind == _PREFILLED:  # send the KV where the route says
             rid = a
             if p_queued:
                 p_queued[req_p[rid]] -= 1
@@ -601,24 +615,14 @@ def _loop(run: _Run) -> tuple[int, float]:
             if kind_sys == "naive":
                 heappush(events, (wan_transfer(rid, full, now), next(seq), _KV_READY, rid, 0))
                 continue
-            load = pool_reserved[1] / pool_cap[1] if rld_available and pool_cap[1] else 0.0
-            if md_caches:
-                md_pin[rid], md_cached_l[rid] = pick_md(rid, prompt_l[rid])
-            dec = choose_pipeline(RouteInputs(
-                prompt_tokens=prompt_l[rid], max_tokens=route_mt_l[rid], p_cached_tokens=cached_l[rid],
-                md_cached_tokens=md_cached_l[rid], kv_bytes_per_token=int(kvb),
-                wan_bandwidth_bps=route_bps, rld_available=rld_available, rld_load=load,
-                wan_queue_s=max(0.0, wan_flows[0] - now),
-            ), pol)
-            code = _CODE[dec.pipeline]
-            pipe[rid] = code
+            code = pipe[rid]
             if code == P_MD:
-                heappush(events, (wan_transfer(rid, dec.wan_bytes, now), next(seq), _KV_READY, rid, 0))
+                heappush(events, (wan_transfer(rid, route_bytes[rid], now), next(seq), _KV_READY, rid, 0))
             elif code == P_RLD:
                 heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 1))
             else:
                 heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 1))
-                heappush(events, (wan_transfer(rid, dec.wan_bytes, now), next(seq), _MD_READY, rid, 0))
+                heappush(events, (wan_transfer(rid, route_bytes[rid], now), next(seq), _MD_READY, rid, 0))
         elif kind == _KV_READY:
             admit(a, b, _KV_READY, now)
         elif kind == _FINISH:
