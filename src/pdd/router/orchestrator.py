@@ -65,16 +65,13 @@ class Orchestrator:
         """The request's route; where a role it needs has no live instance (all suspected, restarting), wait for
         one up to ``router.instance_wait_s`` inside the deadline, then 503; 429 when too many already wait.
         Both carry Retry-After: never an error while an instance may come back within the wait."""
-        try:
-            return await self.routing.route(req, exclude)
-        except GenerationError as exc:
-            if exc.code not in NO_INSTANCE:
-                raise
-            refusal = exc
+        outcome = await self._route_or_refusal(req, exclude)
+        if not isinstance(outcome, GenerationError):
+            return outcome
         cfg = self.config.router
         if self.waiting >= cfg.max_waiting_requests:
             raise GenerationError(429, "too_many_waiting", f"{self.waiting} requests already wait for an instance "
-                                  f"({refusal.message})", retry_after_s=max(1.0, cfg.instance_wait_s))
+                                  f"({outcome.message})", retry_after_s=max(1.0, cfg.instance_wait_s))
         wait_s = max(0.0, min(cfg.instance_wait_s, req.deadline_unix - time.time()))
         until = time.monotonic() + wait_s
         self.waiting += 1
@@ -86,16 +83,22 @@ class Orchestrator:
                         await changed.wait()
                 except TimeoutError:
                     pass
-                try:
-                    return await self.routing.route(req, exclude)
-                except GenerationError as exc:
-                    if exc.code not in NO_INSTANCE:
-                        raise
-                    refusal = exc
+                outcome = await self._route_or_refusal(req, exclude)
+                if not isinstance(outcome, GenerationError):
+                    return outcome
         finally:
             self.waiting -= 1
-        raise GenerationError(503, refusal.code, f"{refusal.message} (waited {wait_s:.0f} s)",
+        raise GenerationError(503, outcome.code, f"{outcome.message} (waited {wait_s:.0f} s)",
                               retry_after_s=max(1.0, cfg.instance_wait_s))
+
+    async def _route_or_refusal(self, req: GenerationRequest, exclude: set[str]) -> Route | GenerationError:
+        """The route, or the refusal of a role with no live instance (worth waiting for); other errors raise."""
+        try:
+            return await self.routing.route(req, exclude)
+        except GenerationError as exc:
+            if exc.code not in NO_INSTANCE:
+                raise
+            return exc
 
     def max_context(self) -> int:
         limits = [i.max_context for i in self.registry.instances() if i.max_context]
