@@ -22,7 +22,6 @@ EWMA_WEIGHT = 0.3  # of the newest heartbeat interval's rate
 class WanBacklog:
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
-        self.queued = 0  # bytes
         self.rate = 0.0  # bytes/s, 0 until measured
         self._delivered = 0  # bytes finished since the last sample
         self._busy_s = 0.0  # seconds with something in flight since the last sample
@@ -43,14 +42,12 @@ class WanBacklog:
         if not self._in_flight:
             self._period_start, self._period_started, self._period_finished = self._since, 0, 0
         self._in_flight += 1
-        self.queued += max(0, nbytes)
         self._period_started += max(0, nbytes)
 
     def finished(self, planned: int, delivered: int) -> None:
         """A transfer ended (sent, failed or cancelled): ``planned`` leaves the backlog, ``delivered`` counts."""
         self._account()
         self._in_flight = max(0, self._in_flight - 1)
-        self.queued = max(0, self.queued - max(0, planned))
         self._delivered += max(0, delivered)
         self._period_finished += max(0, planned)
 
@@ -59,7 +56,7 @@ class WanBacklog:
         if not self._in_flight:
             return 0.0
         carried = self.rate * (self._clock() - self._period_start)
-        return float(max(0.0, min(self.queued, self._period_started - max(self._period_finished, carried))))
+        return float(max(0.0, self._period_started - max(self._period_finished, carried)))
 
     def summary(self) -> dict[str, float]:
         """The heartbeat's fields; folds the interval's delivered bytes per busy second into the rate."""
