@@ -162,7 +162,8 @@ class DecoderService(EngineService):
         """Free what a request holds here if its KV never lands, or if it outlives its deadline. While the KV has
         not landed the sending prefill is asked whether it still sends: a Cancel lost while the WAN was cut
         would otherwise hold the blocks for the whole lease."""
-        until = time.monotonic() + kv_seconds
+        start = time.monotonic()
+        until = start + kv_seconds
         while (left := until - time.monotonic()) > 0:
             await asyncio.sleep(min(TRANSFER_CHECK_S, left))
             inc = self.incoming.get(rid)
@@ -177,7 +178,7 @@ class DecoderService(EngineService):
             log.warning("import_lease_expired", request_id=rid)
             await self.drop(rid)
             return
-        await asyncio.sleep(max(0.0, request_seconds - kv_seconds))
+        await asyncio.sleep(max(0.0, start + request_seconds - time.monotonic()))  # the KV may have landed early
         if rid in self.incoming:
             log.warning("request_deadline_expired", request_id=rid)
             await self.drop(rid)
