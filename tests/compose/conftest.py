@@ -1,7 +1,8 @@
 """The compose suite's system: compose/docker-compose.yaml built and brought up on this machine's dockerd.
 
 Everything is real: the image (built by scripts/compose_up.sh --prepare: local base image, wheelhouse,
-Compose v2 where missing), the WAN container, NATS leaf across it, the four services. The one change is
+Compose v2 where missing), the WAN container, NATS leaf across it, the four roles (two routers behind the
+`api` load balancer). The one change is
 the model: a seeded tiny checkpoint (bind-mounted through an override file, ``PDD__MODEL__PATH``) so the
 suite fits on 2 cores; the compose file itself serves the built-in SmolLM2. The suite skips, with the
 reason, where no Docker engine answers and none can be started.
@@ -24,7 +25,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose" / "docker-compose.yaml"
 PROJECT = "pdd-compose-test"
-PDD_SERVICES = ("router", "prefill", "relay", "main-decode")
+PDD_SERVICES = ("router-0", "router-1", "prefill", "relay", "main-decode")
+ROUTERS = ("router-0", "router-1")  # behind `api`, the one published API port
 WAN_RATE, WAN_DELAY = "200mbit", "20ms"
 
 
@@ -65,6 +67,7 @@ class ComposeProject:
     model_dir: str
     api_port: int
     otlp_port: int
+    router_metrics_ports: dict[str, int] = field(default_factory=dict)  # each router's published metrics port
     log: list[str] = field(default_factory=list)
 
     def cmd(self, *args: str, check: bool = True, timeout: float = 600, input: str | None = None
@@ -133,11 +136,13 @@ def compose_project(tmp_path_factory) -> ComposeProject:
     override_path = root / "override.yaml"
     override_path.write_text(yaml.safe_dump(override))
     api_port, otlp_port = free_port(), free_port()
+    metrics_ports = {router: free_port() for router in ROUTERS}
     env = {**os.environ, "BASE_IMAGE": os.environ.get("BASE_IMAGE", "pdd-base:bookworm"),
            "PDD_API_PORT": str(api_port), "PDD_OTLP_PORT": str(otlp_port),
-           "PDD_ROUTER_METRICS_PORT": str(free_port()), "WAN_RATE": WAN_RATE, "WAN_DELAY": WAN_DELAY,
-           "WAN_JITTER": "0ms"}
-    project = ComposeProject(override_path, env, model, api_port, otlp_port)
+           "PDD_ROUTER_METRICS_PORT": str(metrics_ports["router-0"]),
+           "PDD_ROUTER_1_METRICS_PORT": str(metrics_ports["router-1"]),
+           "WAN_RATE": WAN_RATE, "WAN_DELAY": WAN_DELAY, "WAN_JITTER": "0ms"}
+    project = ComposeProject(override_path, env, model, api_port, otlp_port, metrics_ports)
     project.cmd("down", "-v", "--remove-orphans", check=False)  # a crashed earlier run
     yield project
     project.cmd("down", "-v", "--remove-orphans", "-t", "5", check=False)

@@ -5,11 +5,13 @@ WAN, both NATS servers refusing clients without the token and nats-a a leaf with
 three pipelines through the official `openai` client equal to one engine's greedy output, one
 OTLP trace per request across the four services, the WAN reshaped at run time (visible in the transfer
 spans), only the WAN crossing between sites, the WAN stopped for 10 s and restored, main decode killed
-mid-stream, and `down -v` leaving nothing behind. Run with `.venv/bin/python -m pytest -m compose`.
+mid-stream, the API port (`api`, HAProxy) spreading streams over both routers and answering with one of them
+stopped, and `down -v` leaving nothing behind. Run with `.venv/bin/python -m pytest -m compose`.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 import stat
@@ -22,14 +24,16 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 from dotenv import dotenv_values
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdd.shared.pipelines import ROUTABLE, Pipeline
-from tests.compose.conftest import PDD_SERVICES, PROJECT, REPO, WAN_RATE, ComposeProject
+from tests.compose.conftest import PDD_SERVICES, PROJECT, REPO, ROUTERS, WAN_RATE, ComposeProject
 from tests.e2e.conftest import until_handed_over
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
-SITE_A = {"nats-a": ("10.10.0.2", 7422), "router": ("10.10.0.10", 8000), "prefill": ("10.10.0.11", 9101)}
+SITE_A = {"nats-a": ("10.10.0.2", 7422), "router-0": ("10.10.0.10", 8000), "prefill": ("10.10.0.11", 9101),
+          "api": ("10.10.0.9", 8000)}
 SITE_B = {"nats-b": ("10.20.0.2", 4222), "main-decode": ("10.20.0.21", 5555)}
 SERVICE_NAMES = {"pdd-router", "pdd-prefill", "pdd-relay", "pdd-main-decode"}
 
@@ -134,7 +138,7 @@ def test_build_up_and_every_service_healthy(system: ComposeProject) -> None:
         assert stat.S_IMODE(env_file.stat().st_mode) == 0o600, oct(env_file.stat().st_mode)
     system.cmd("up", "-d", timeout=600)
     rows = system.wait_healthy(timeout=420)
-    for service in (*PDD_SERVICES, "wan", "nats-a", "nats-b", "otel"):
+    for service in (*PDD_SERVICES, "api", "wan", "nats-a", "nats-b", "otel"):
         assert rows[service]["State"] == "running" and rows[service]["Health"] == "healthy", rows[service]
     for service in ("keys-main-decode", "keys-prefill"):
         assert rows[service]["State"] == "exited" and rows[service]["ExitCode"] == 0, rows[service]
@@ -182,7 +186,7 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("server, client_service", [("nats-a", "router"), ("nats-b", "main-decode")])
+@pytest.mark.parametrize("server, client_service", [("nats-a", "router-0"), ("nats-b", "main-decode")])
 def test_nats_refuses_clients_without_the_token(system: ComposeProject, server: str, client_service: str) -> None:
     """From a service's own container: no token and a wrong token get `Authorization Violation`; the
     services' token (PDD__NATS__TOKEN, equal to the server's NATS_TOKEN) gets in."""
@@ -308,7 +312,7 @@ def test_wan_reshaped_at_run_time_shows_in_transfer_spans(system: ComposeProject
 def test_only_the_wan_crosses_between_sites(system: ComposeProject) -> None:
     """Every cross-site connection works through the WAN container and none works with it paused; the
     host's published ports give no way round (bound to 127.0.0.1)."""
-    probes = [(a, *b_addr) for a in ("prefill", "router", "nats-a") for b_addr in SITE_B.values()]
+    probes = [(a, *b_addr) for a in ("prefill", "router-0", "nats-a") for b_addr in SITE_B.values()]
     probes += [(b, *a_addr) for b in ("main-decode", "nats-b") for a_addr in SITE_A.values()]
     with ThreadPoolExecutor(len(probes)) as pool:
         up = list(pool.map(lambda p: system.can_connect(*p), probes))
@@ -412,6 +416,94 @@ def test_decode_killed_mid_stream_completes(system: ComposeProject, reference) -
     if system.ps()["main-decode"]["State"] != "running":  # restart policy: unless-stopped
         system.cmd("start", "main-decode")
     system.wait_healthy(timeout=240)
+
+
+def _router_successes(system: ComposeProject, router: str) -> float:
+    """The router's own `pdd:request_success_total` (every label), from its published metrics port."""
+    url = f"http://127.0.0.1:{system.router_metrics_ports[router]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "pdd:request_success_total")
+
+
+def _successes_reach(system: ComposeProject, routers: tuple[str, ...], total: float,
+                     timeout: float = 30) -> dict[str, float]:
+    """The routers' counts once they add up to ``total`` (a router counts a request as it ends its stream)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {router: _router_successes(system, router) for router in routers}
+        if sum(now.values()) >= total or time.monotonic() > deadline:
+            return now
+        time.sleep(0.5)
+
+
+def _lb_servers(system: ComposeProject) -> dict[str, str]:
+    """HAProxy's view of the routers (server -> UP, DOWN, "UP 1/2", ...), from `api`'s stats page."""
+    out = system.exec_python("api", "import urllib.request as u; "
+                             "print(u.urlopen('http://127.0.0.1:8404/stats;csv', timeout=5).read().decode())")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = csv.DictReader(out.stdout.removeprefix("# ").splitlines())
+    return {row["svname"]: row["status"] for row in rows
+            if row["pxname"] == "routers" and row["svname"] not in ("FRONTEND", "BACKEND")}
+
+
+def _lb_until(system: ComposeProject, want: dict[str, str], timeout: float = 30) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = _lb_servers(system)
+        if all(seen.get(server) == status for server, status in want.items()) or time.monotonic() > deadline:
+            return seen
+        time.sleep(1)
+
+
+def _stream_alone(system: ComposeProject, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streaming chat on a client, hence a connection, of its own (which `api` hands to one router)."""
+    result: dict = {}
+    with client(system) as own:
+        stream = own.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "pdd": {"return_token_ids": True}})
+        for chunk in stream:
+            if chunk.model_extra.get("pdd"):
+                result["pdd"] = chunk.model_extra["pdd"]
+        result["done"] = True
+    return result
+
+
+def test_api_port_spreads_over_both_routers_and_outlives_one(system: ComposeProject, reference) -> None:
+    """`api` (HAProxy, leastconn, each router's metrics-port /health) in front of router-0 and router-1:
+    8 concurrent streams through the one published API port, each on its own connection, are served by
+    both routers (each one's own `pdd:request_success_total`), every one the full greedy output. With
+    router-1 stopped (SIGTERM: it drains and exits) the API answers through router-0 alone and HAProxy
+    marks router-1 down; started again, router-1 is admitted back."""
+    assert _lb_until(system, {r: "UP" for r in ROUTERS}) == {r: "UP" for r in ROUTERS}
+    model = model_name(system)
+    asked = [[{"role": "user", "content": words(60 + i, 30)}] for i in range(8)]
+    before = {router: _router_successes(system, router) for router in ROUTERS}
+    with ThreadPoolExecutor(len(asked)) as pool:
+        results = list(pool.map(lambda messages: _stream_alone(system, model, messages, 48), asked))
+    for messages, result in zip(asked, results):
+        assert result.get("done") and result["pdd"]["token_ids"] == expected(reference, messages, 48), result
+    after = _successes_reach(system, ROUTERS, sum(before.values()) + len(asked))
+    served = {router: after[router] - before[router] for router in ROUTERS}
+    assert sum(served.values()) == len(asked) and all(served.values()), f"requests per router: {served}"
+
+    stopped, alive = ROUTERS[1], ROUTERS[0]
+    system.cmd("stop", "-t", "30", stopped)
+    try:
+        start = _router_successes(system, alive)
+        for i in range(4):  # from the moment it is gone, before HAProxy's checks have noticed too
+            messages = [{"role": "user", "content": words(70 + i, 20)}]
+            result = _stream_alone(system, model, messages, 16)
+            assert result.get("done") and result["pdd"]["token_ids"] == expected(reference, messages, 16), result
+        assert _successes_reach(system, (alive,), start + 4)[alive] == start + 4
+        seen = _lb_servers(system)
+        assert seen[stopped].startswith("DOWN") and seen[alive] == "UP", seen
+    finally:
+        system.cmd("start", stopped)
+        system.wait_healthy(timeout=240)
+    assert _lb_until(system, {stopped: "UP"}) == {r: "UP" for r in ROUTERS}
 
 
 def test_down_v_leaves_nothing(system: ComposeProject) -> None:

@@ -66,9 +66,9 @@ def _subnet(network: str) -> ipaddress.IPv4Network:
 
 
 def test_all_roles_and_infrastructure_present() -> None:
-    roles = sorted(svc["command"][2] for svc in SERVE.values())
+    roles = sorted({svc["command"][2] for svc in SERVE.values()})
     assert roles == sorted(Role)
-    for name in ("wan", "nats-a", "nats-b", "jaeger", "prometheus", "grafana"):
+    for name in ("api", "wan", "nats-a", "nats-b", "jaeger", "prometheus", "grafana"):
         assert name in SERVICES, name
     assert set(COMPOSE["networks"]) == {"site-a", "site-b"}
 
@@ -124,6 +124,29 @@ def test_kv_endpoints_are_reachable_addresses() -> None:
     assert key_file == f"{keygen[keygen.index('--out') + 1]}/{keygen[keygen.index('--name') + 1]}.key_secret"
     relay = load_config(_config_of(SERVE["relay"]), environ={})
     assert relay.transports.fast.name == "ucx"
+
+
+def test_api_balances_over_every_router() -> None:
+    """`api` (HAProxy) alone publishes the API port and sends to every router service, at its own site address
+    and API port, health-checked on its own metrics port; each router has its own instance id."""
+    routers = {name: svc for name, svc in SERVE.items() if svc["command"][2] == Role.ROUTER}
+    ids = [_instance_id(svc) for svc in routers.values()]
+    assert len(routers) >= 2 and len(set(ids)) == len(ids), ids
+    api = SERVICES["api"]
+    assert api["command"][0] == "haproxy" and api["ports"] == ["${PDD_BIND:-127.0.0.1}:${PDD_API_PORT:-8000}:8000"]
+    assert set(api["depends_on"]) == set(routers)
+    cfg = _host_path(api, api["command"][api["command"].index("-f") + 1]).read_text()
+    servers = {name: (ip, int(port), int(check)) for name, ip, port, check
+               in re.findall(r"^\s*server\s+(\S+)\s+([\d.]+):(\d+)\s+port\s+(\d+)", cfg, re.MULTILINE)}
+    want = {}
+    for name, svc in routers.items():
+        config = load_config(_config_of(svc), environ={})
+        want[_instance_id(svc)] = (_addresses(svc)["site-a"], config.router.port,
+                                   config.instance(_instance_id(svc)).metrics_port)
+        assert not any(p.endswith(f":{config.router.port}") for p in svc.get("ports", [])), \
+            f"{name} publishes the API port: clients go through `api`"
+    assert servers == want
+    assert re.search(r"http-check send meth GET uri /health", cfg)
 
 
 def test_networks_volumes_and_bind_mounts_are_defined() -> None:
@@ -218,7 +241,7 @@ def test_dockerfile_references_existing_files() -> None:
             assert (REPO / src).exists(), f"Dockerfile copies missing {src}"
     for path in re.findall(r"(compose/[\w./-]+\.(?:sh|yaml))", text):
         assert (REPO / path).is_file(), path
-    build = SERVICES["router"]["build"]
+    build = SERVICES["router-0"]["build"]
     assert (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve() == (COMPOSE_DIR / "Dockerfile")
 
 
