@@ -29,3 +29,19 @@ def test_one_level_reports_rates_latency_and_cpu_per_token(tmp_path, tiny_model)
     for service in ("router", "md", "p", "nats-server", "client"):
         assert level["cpu_us_per_token"][service] > 0, (service, level)
     assert "Rules:" in proc.stdout
+
+
+def test_two_routers_share_the_port_and_their_figures_add_up(tmp_path, tiny_model) -> None:
+    """--routers 2: the client's connections spread over both routers (each served some), CPU and delay are the
+    routers' together, and the 64-stream CPU figure is the level's."""
+    proc = subprocess.run([sys.executable, "-m", "pdd.bench.control_plane", "--model", str(tiny_model),
+                           "--levels", "64x8", "--tokens", "30", "--routers", "2", "--run-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    (level,) = report["levels"]
+    assert report["routers"] == level["routers"] == 2
+    assert level["completed"] == 64 and sum(level["served_per_router"]) == 64, level
+    assert all(n > 0 for n in level["served_per_router"]), level["served_per_router"]
+    assert report["router_cpu_us_per_token_64_streams"] == level["cpu_us_per_token"]["router"] > 0
+    assert 0 < level["router_delay_p50_ms"] <= level["router_delay_p99_ms"]

@@ -13,7 +13,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -41,7 +40,8 @@ def _reference(run_dir: Path):
 
 
 def _metrics_url(log: Path) -> str:
-    return next(e["metrics"] for e in log_events(log) if e.get("event") == "service_ready")
+    """The live process's (the last to log ready: a restarted router listens on a new metrics port)."""
+    return [e["metrics"] for e in log_events(log) if e.get("event") == "service_ready"][-1]
 
 
 def _served(run_dir: Path, router: str) -> float:
@@ -144,7 +144,47 @@ def test_a_killed_router_closes_only_its_own_streams_and_comes_back(up):
     for d, want in whole:  # the other router's streams: untouched
         assert d.status == 200 and d.error is None and d.finish_reason == "length" and d.token_ids == want
     _wait_for(lambda: "restarted router-0" in log.read_text(), "router restart", log, proc)
+    _wait_for(lambda: sum(e.get("event") == "api_listening" for e in log_events(run_dir / "router-0.log")) == 2,
+              "the restarted router-0 listening", log, proc)
     _wait_for(lambda: _engine_held(run_dir) == {"prefill-0": 0, "relay-0": 0, "main-decode-0": 0},
               "no KV block held", log, proc, timeout=60)
     again = asyncio.run(_all(base, prompts[:4]))
     assert all(d.done and d.error is None for d in again)
+
+
+@pytest.mark.timeout(900)
+def test_a_client_leaving_its_router_cancels_its_request_everywhere_once(up):
+    """Clients hang up mid-stream, their connections spread over both routers: each request is known to exactly one
+    router (the one that logged the disconnect), and P, RLD and MD end up holding no KV block and no request."""
+    base, run_dir, log, proc = up
+    rng = random.Random(5)
+    prompts = [[rng.randrange(5, 380) for _ in range(30)] for _ in range(REQUESTS)]
+
+    async def hang_up(prompt: list[int]) -> str:
+        async with aiohttp.ClientSession() as session, \
+                session.post(base + "/v1/completions", json=_body(prompt, 400)) as resp:
+            assert resp.status == 200
+            chunks = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    request_id = json.loads(line[6:])["id"]
+                    chunks += 1
+                if chunks >= 3:
+                    return request_id  # leaving the block closes the connection mid-stream
+        raise AssertionError("the stream ended before 3 chunks")
+
+    async def run() -> list[str]:
+        return await asyncio.gather(*(hang_up(p) for p in prompts))
+
+    ids = asyncio.run(run())
+    assert len(set(ids)) == REQUESTS
+
+    def disconnects(router: str) -> set[str]:
+        return {e["request_id"] for e in log_events(run_dir / f"{router}.log") if e.get("event") == "client_disconnected"}
+
+    _wait_for(lambda: disconnects("router-0") | disconnects("router-1") >= set(ids), "every disconnect seen", log, proc)
+    by_router = {r: disconnects(r) & set(ids) for r in ("router-0", "router-1")}
+    assert not by_router["router-0"] & by_router["router-1"], "a request known to both routers"
+    assert all(by_router.values()), by_router  # the kernel gave both routers connections
+    _wait_for(lambda: _engine_held(run_dir) == {"prefill-0": 0, "relay-0": 0, "main-decode-0": 0},
+              "no KV block held", log, proc, timeout=60)

@@ -38,7 +38,8 @@ def _state(excluded: set[str]) -> InFlight:
     req = GenerationRequest("r", [1, 2, 3], SamplingSpec(max_tokens=8), time.time() + 60)
     route = Route(Pipeline.P_MD, "forced", _announce("p-0", Role.PREFILL), _announce("rld-0", Role.RELAY),
                   _announce("md-0", Role.MAIN_DECODE), 0, 0, 0)
-    return InFlight(req, route, OwnershipTracker(Pipeline.P_MD), attempt_id="r", excluded=set(excluded))
+    return InFlight(req, route, OwnershipTracker(Pipeline.P_MD), attempt_id="r", report=None,  # type: ignore[arg-type]
+                    excluded=set(excluded))
 
 
 def test_another_main_decode_before_the_relay():

@@ -33,12 +33,12 @@ async def _deltas(tokenizer, events: list[TokenEvent], gap_s: float, max_tokens:
                 await asyncio.sleep(gap_s)
             yield e
 
-    stream = BackendStream(gen(), "r")
+    stream = BackendStream(gen(), "r", time.time() + 30)
     if not gap_s:
         for _ in range(3 * len(events)):  # let the pump queue everything first
             await asyncio.sleep(0)
     detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop=stop)
-    out = [d async for d in text_deltas(stream, detok, max_tokens, time.time() + 30)]
+    out = [d async for d in text_deltas(stream, detok, max_tokens)]
     await stream.close()
     return out
 

@@ -19,9 +19,14 @@ decode's steps dilated by ``k``: the offered token rate is ``streams / (modeled 
 - CPU microseconds per delivered token of each process (router, main decode, prefill, nats-server, client),
   from /proc/<pid>/stat over the level.
 The headline: the highest delivered token rate at which the router's added delay p99 stays under
-``--added-p99-ms`` (5); beside it the same for the client's added ITL p99 (the stricter, end-to-end reading).
+``--added-p99-ms`` (5); beside it the same for the client's added ITL p99 (the stricter, end-to-end reading),
+and the routers' CPU per delivered token, the mean over the 64-stream levels.
 
-Run: python -m pdd.bench.control_plane [--levels 16x8,64x4,64x2,64x1,256x1 --tokens 300]
+``--routers N`` runs N router processes on the one API port (SO_REUSEPORT, as ``pdd up --routers N``): the client's
+connections spread over them; router CPU is their sum and the router delay their merged histogram. On a 2-core
+box the routers share the cores with main decode, nats-server and the client: more routers cannot add CPU.
+
+Run: python -m pdd.bench.control_plane [--levels 16x8,64x4,64x2,64x1.5,64x1,256x1 --tokens 300 --routers 1]
 Last stdout line: one JSON object.
 """
 
@@ -41,6 +46,7 @@ from typing import Any
 PROMPT_TOKENS = 32
 SKIP_POSITIONS = 8  # the first positions carry start-up (prefill, KV over the WAN, the first steps)
 ROUTER_DELAY = "pdd:router_token_delay_seconds"
+SUCCESS = "pdd:request_success_total"
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -50,11 +56,12 @@ def _ms(seconds: float | None) -> float | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="the tokenizer the router uses ('default': SmolLM2's)")
-    ap.add_argument("--levels", default="16x8,64x4,64x2,64x1,256x1",
+    ap.add_argument("--levels", default="16x8,64x4,64x2,64x1.5,64x1,256x1",
                     help="comma-separated STREAMSxDILATION: concurrent streams and main decode's time dilation")
     ap.add_argument("--tokens", type=int, default=300, help="output tokens per stream")
     ap.add_argument("--scenario", default="small", help="emulation scenario (sim/scenarios); its main decode chip")
     ap.add_argument("--added-p99-ms", type=float, default=5.0, help="the headline's bound on the added ITL p99")
+    ap.add_argument("--routers", type=int, default=1, help="router processes sharing the API port")
     ap.add_argument("--run-dir", default=None, help="logs and configs (default: a temp dir, kept)")
     return ap.parse_args(argv)
 
@@ -75,9 +82,9 @@ def cluster_config(args: argparse.Namespace, dilation: float) -> dict:
     return {
         "model": {"backend": EMULATED_BACKEND, "path": args.model, "block_size": 16, "max_num_seqs": 512},
         "emulation": {"scenario": args.scenario, "system": "pdd", "kv_scale": 1, "time_dilation": dilation},
-        **two_site_layout(prefill=1, relay=1, main_decode=1),
+        **two_site_layout(prefill=1, relay=1, main_decode=1, routers=args.routers),
         "transports": {"fast": {"name": "zmq", "options": {}}, "wan": {"name": "zmq", "options": {"streams": 2}}},
-        "router": {"request_timeout_s": 600, "forced_pipeline": Pipeline.P_MD.value},
+        "router": {"request_timeout_s": 600, "forced_pipeline": Pipeline.P_MD.value, "reuse_port": args.routers > 1},
         "service": {"heartbeat_ms": 500, "drain_timeout_s": 5},
         "telemetry": {"exporter": "none", "log_format": "json"},
     }
@@ -117,8 +124,30 @@ async def run_streams(base_url: str, n: int, tokens: int, vocab: int, seed: int)
         return await asyncio.gather(*(stream(session, base_url + "/v1/completions", b, timeout_s=600) for b in bodies))
 
 
+def merged(scrapes: list[Any]) -> dict:
+    """Several routers' /metrics as one: each sample summed over the routers (counters and histogram buckets)."""
+    out: dict = {}
+    for samples in scrapes:
+        for key, value in (samples or {}).items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def wait_routers(cluster: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Every router process of the cluster, once each has logged that it is ready (/health answers from one)."""
+    from pdd.shared.roles import Role
+
+    routers = [m for m in cluster.members.values() if m.role == Role.ROUTER]
+    deadline = time.monotonic() + timeout_s
+    while not all(m.log_event("service_ready") for m in routers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"routers not ready after {timeout_s:.0f}s; logs in {cluster.run_dir}")
+        time.sleep(0.25)
+    return routers
+
+
 def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: float) -> dict[str, Any]:
-    from pdd.loadgen.scrape import histogram_quantile, scrape_sync
+    from pdd.loadgen.scrape import histogram_quantile, samples_of, scrape_sync
     from pdd.loadgen.stats import pct
     from pdd.engine.emulated_backend import profile as emulation
     from pdd.launch.local_cluster import LocalCluster
@@ -131,14 +160,15 @@ def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: 
     modeled_step_s = md_model.step_time(streams, ctx) * dilation
     with LocalCluster(run_root / f"s{streams}-k{dilation:g}", cfg) as cluster:
         cluster.start()
+        routers = wait_routers(cluster)
         vocab = vocab_size(args.model)
         asyncio.run(run_streams(cluster.base_url, 2, 8, vocab, seed=1))  # warm: links open
         pids = {m.instance_id: m.proc.pid for m in cluster.members.values()}
         pids["nats-server"] = cluster.nats.pid
         md = next(m for m in cluster.members.values() if m.role == Role.MAIN_DECODE)
         md0 = md.health().get("engine", {})
-        router_metrics = cluster.members["router-0"].metrics_url
-        delay0 = scrape_sync(router_metrics)
+        per_router0 = [scrape_sync(r.metrics_url) for r in routers]
+        delay0 = merged(per_router0)
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         client0, t0 = client_cpu_seconds(), time.perf_counter()
         results = asyncio.run(run_streams(cluster.base_url, streams, args.tokens, vocab, seed=2))
@@ -146,7 +176,8 @@ def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: 
         client_cpu = client_cpu_seconds() - client0
         cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in pids.items()}
         md1 = md.health().get("engine", {})
-        delay1 = scrape_sync(router_metrics) or {}
+        per_router1 = [scrape_sync(r.metrics_url) or {} for r in routers]
+        delay1 = merged(per_router1)
     ok = [r for r in results if r.status == 200 and r.error is None and r.exception is None]
     gaps: list[float] = []
     delivered = 0
@@ -154,13 +185,18 @@ def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: 
         times = r.token_times() or []
         delivered += len(times)
         gaps += [b - a for a, b in zip(times[SKIP_POSITIONS:], times[SKIP_POSITIONS + 1:])]
+    served = [round(sum(v for _, v in samples_of(after, SUCCESS)) - sum(v for _, v in samples_of(before or {}, SUCCESS)))
+              for before, after in zip(per_router0, per_router1)]  # requests each router completed
     steps = (md1.get("steps", 0) or 0) - (md0.get("steps", 0) or 0)
     overruns = (md1.get("overrun_steps", 0) or 0) - (md0.get("overrun_steps", 0) or 0)
-    per_token = {name.split("-")[0] if name != "nats-server" else name: v for name, v in cpu.items()}
-    per_token["client"] = client_cpu
+    per_token: dict[str, float] = {"client": client_cpu}
+    for name, v in cpu.items():  # one figure per role: several routers' CPU summed
+        role = name.split("-")[0] if name != "nats-server" else name
+        per_token[role] = per_token.get(role, 0.0) + v
     p99 = pct(gaps, 99)
     return {
-        "streams": streams, "time_dilation": dilation, "completed": len(ok), "requests": streams,
+        "streams": streams, "time_dilation": dilation, "routers": len(routers), "served_per_router": served,
+        "completed": len(ok), "requests": streams,
         "offered_tokens_per_s": round(streams / modeled_step_s, 1),
         "delivered_tokens_per_s": round(delivered / wall, 1), "wall_s": round(wall, 2),
         "modeled_step_ms": round(modeled_step_s * 1e3, 3),
@@ -201,17 +237,20 @@ def main(argv: list[str] | None = None) -> int:
         return max(within, key=lambda r: r["delivered_tokens_per_s"]) if within else None
 
     best, best_client = highest("router_delay_p99_ms"), highest("added_itl_p99_ms")
+    at_64 = [r["cpu_us_per_token"]["router"] for r in rows if r["streams"] == 64 and r["completed"] == r["requests"]]
     report = {"bench": "control_plane", "cpus": os.cpu_count(), "load_before": round(load[0], 2),
               "load_after": round(os.getloadavg()[0], 2),
-              "scenario": args.scenario, "tokens_per_stream": args.tokens, "levels": rows,
+              "scenario": args.scenario, "tokens_per_stream": args.tokens, "levels": rows, "routers": args.routers,
               "added_p99_bound_ms": args.added_p99_ms,
               "highest_tokens_per_s_within_bound": best["delivered_tokens_per_s"] if best else None,
               "highest_tokens_per_s_client_itl_within_bound":
                   best_client["delivered_tokens_per_s"] if best_client else None,
+              "router_cpu_us_per_token_64_streams": round(sum(at_64) / len(at_64), 1) if at_64 else None,
               "router_cpu_us_per_token": best["cpu_us_per_token"].get("router") if best else None}
-    print(f"highest delivered rate with the router's added delay p99 < {args.added_p99_ms:g} ms: "
-          f"{report['highest_tokens_per_s_within_bound']} tok/s; with the client's added ITL p99 under it: "
-          f"{report['highest_tokens_per_s_client_itl_within_bound']} tok/s")
+    print(f"{args.routers} router(s): highest delivered rate with the router's added delay p99 < {args.added_p99_ms:g} "
+          f"ms: {report['highest_tokens_per_s_within_bound']} tok/s; with the client's added ITL p99 under it: "
+          f"{report['highest_tokens_per_s_client_itl_within_bound']} tok/s; router CPU per token at 64 streams "
+          f"{report['router_cpu_us_per_token_64_streams']} us")
     print(json.dumps(report, sort_keys=True))
     return 0
 

@@ -26,14 +26,16 @@ from pdd.launch.natsserver import NatsServer, free_port, start_nats_server
 from pdd.shared.roles import Role
 
 
-def two_site_layout(prefill: int = 1, relay: int = 1, main_decode: int = 1, main_decode_site: str = "site-b") -> dict:
-    """The `sites` and `instances` of a config: router-0, P (p-N) and relays (rld-N) at site-a, main
-    decoders (md-N) at `main_decode_site` — the smallest system in which every pipeline runs."""
+def two_site_layout(prefill: int = 1, relay: int = 1, main_decode: int = 1, main_decode_site: str = "site-b",
+                    routers: int = 1) -> dict:
+    """The `sites` and `instances` of a config: routers (router-N), P (p-N) and relays (rld-N) at site-a, main
+    decoders (md-N) at `main_decode_site` — the smallest system in which every pipeline runs. Several routers
+    need ``router.reuse_port`` (they share the API port)."""
     roles = (("p", Role.PREFILL, prefill, "site-a"), ("rld", Role.RELAY, relay, "site-a"),
              ("md", Role.MAIN_DECODE, main_decode, main_decode_site))
     return {
         "sites": [{"name": "site-a"}, {"name": "site-b"}],
-        "instances": [{"id": "router-0", "role": Role.ROUTER.value, "site": "site-a"}]
+        "instances": [{"id": f"router-{i}", "role": Role.ROUTER.value, "site": "site-a"} for i in range(routers)]
         + [{"id": f"{prefix}-{i}", "role": role.value, "site": site} for prefix, role, n, site in roles for i in range(n)],
     }
 

@@ -7,6 +7,8 @@ import asyncio
 import importlib
 import sys
 
+import uvloop
+
 from pdd.launch.children import watch_parent
 from pdd.shared.bus import BusConnectError
 from pdd.shared.config import ConfigError, load_config
@@ -44,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
     service_cls = getattr(importlib.import_module(module_name), class_name)
     prepare_process(config, instance, args.role)
     service = service_cls(config, instance)
+    # The router's work is per token of every stream (bus in, SSE out): uvloop's loop and transports cut its CPU.
+    # Engines keep asyncio's loop: their time is in the step, and their libraries (ucxx) are tested on it.
+    loop_factory = uvloop.new_event_loop if args.role == Role.ROUTER else None
     try:
-        asyncio.run(service.run())
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(service.run())
     except (ConfigError, BusConnectError) as exc:  # wrong credentials/TLS: say so once, do not retry forever
         log.error("service_failed", role=args.role, instance=instance.id, error=str(exc))
         return 1

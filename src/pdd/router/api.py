@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Protocol, TypeVar, runtime_checkable
 
 import anyio
-import h11
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
@@ -41,7 +40,7 @@ from pdd.router.openai_schema import (
     TokenizeCompletionRequest,
 )
 from pdd.router.streaming import BackendStream, ClientDisconnected, text_deltas, watch_disconnect
-from pdd.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.router.types import Generation, GenerationError, GenerationRequest, TokenEvent
 from pdd.shared import metrics
 from pdd.shared.protocol import SamplingSpec
 from pdd.shared.tokenizer import render_messages
@@ -88,20 +87,15 @@ class Backend(Protocol):
 
     def health(self) -> dict: ...
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Async generator of token events; raises GenerationError; closing it cancels the request."""
+    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent] | Generation:
+        """The request's token events: an async generator, or a ``Generation`` that fills its queue itself; either
+        may raise GenerationError; closing it cancels the request."""
         ...
 
 
 class _CountResponses:
     """Pure ASGI middleware counting responses (BaseHTTPMiddleware would wrap ``receive`` and
-    interfere with disconnect detection). Routes outside the API collapse into one label.
-
-    It also drops the response of a request the server has already answered itself: uvicorn replies
-    400 to a malformed request (a broken chunked body, say) while the app still runs, and the app's
-    own response then fails in h11. Like a disconnected client's, that response goes nowhere; it is
-    not an application error (nor a 5xx in the metrics).
-    """
+    interfere with disconnect detection). Routes outside the API collapse into one label."""
 
     def __init__(self, app: Any):
         self.app = app
@@ -112,18 +106,8 @@ class _CountResponses:
         path = scope.get("path", "")
         route = path if path in _ROUTES else "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
 
-        answered = False
-
         async def counting_send(message: dict) -> None:
-            nonlocal answered
-            if answered:
-                return
-            try:
-                await send(message)
-            except h11.LocalProtocolError:
-                answered = True
-                log.info("response_dropped", path=path, reason="the server already answered this request")
-                return
+            await send(message)
             if message["type"] == "http.response.start":
                 HTTP_RESPONSES.labels(route=route, status=str(message["status"])).inc()
 
@@ -283,9 +267,9 @@ class _API:
             agen = self.backend.generate(greq)
         except GenerationError as exc:  # a backend may refuse before returning its generator
             raise APIError.from_generation_error(exc) from None
-        stream = BackendStream(agen, greq.request_id)
+        stream = BackendStream(agen, greq.request_id, greq.deadline_unix)
         watcher = asyncio.create_task(watch_disconnect(request.receive, stream))
-        deltas = text_deltas(stream, detok, greq.sampling.max_tokens, greq.deadline_unix)
+        deltas = text_deltas(stream, detok, greq.sampling.max_tokens)
 
         async def finish() -> None:
             with anyio.CancelScope(shield=True):  # cleanup must not be cut short by cancellation

@@ -11,12 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdd.router.ownership import OwnershipTracker
 from pdd.router.routing import Route
 from pdd.router.types import GenerationRequest
 from pdd.shared.protocol import Announce
+
+if TYPE_CHECKING:
+    from pdd.router.reporting import StreamReport
+
+CHECK = object()  # a request that has heard nothing for a while (or reached its deadline): look around
+FINISHED = object()  # its last token went to the client: the request loop ends
 
 
 @dataclass
@@ -25,9 +31,10 @@ class InFlight:
     route: Route
     tracker: OwnershipTracker
     attempt_id: str  # the request's id on the bus for the current attempt
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    report: StreamReport
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)  # what the client gets: TokenEvents, an exception
+    control: asyncio.Queue = field(default_factory=asyncio.Queue)  # what the request loop acts on (CHECK, ...)
     flushed: list[int] = field(default_factory=list)  # every token id queued for the client (resume point)
-    sent: int = 0  # how many of them the client has been given
     meta: dict[str, Any] = field(default_factory=dict)
     p_cached: int = 0
     held: list[int] = field(default_factory=list)  # first token held back (first_token_after_kv)
@@ -37,3 +44,5 @@ class InFlight:
     resumed_on: Announce | None = None  # the decoder the request was last resumed on (it owns the rest)
     wan_fallback: bool = False  # P-RLD-MD whose WAN transfer failed: the relay finishes it
     last_progress: float = field(default_factory=time.monotonic)
+    check_queued: bool = False  # a CHECK waits in ``control`` (the watchdog queues one at a time)
+    finished: bool = False  # the last token went to the client

@@ -17,8 +17,11 @@ from pdd.shared.protocol import TokenLogprobs
 MIN_LOGPROB = -9999.0  # JSON has no -inf: the floor vLLM reports for impossible tokens
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder: json.dumps with options builds one per call
+
+
 def sse_line(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
 
 
 class Formatter:

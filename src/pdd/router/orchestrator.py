@@ -3,7 +3,10 @@
 It keeps each request's prompt and every emitted token id (``InFlight``: what any decoder needs to
 resume it by extend/recompute), enforces the deadline, holds the first token of a WAN pipeline until
 the decoder's stream starts (``first_token_after_kv``), and cancels everywhere when the client goes
-away. The decisions it ties together live beside it: routing.py (instances and pipeline),
+away. Tokens go from the bus callback straight to the client's event queue (one task switch per token,
+the HTTP layer's); the request loop wakes only for what is not a token: a quiet stream's health check
+(one watchdog for the router), a failure, the deadline (one timer per request), the finish.
+The decisions it ties together live beside it: routing.py (instances and pipeline),
 failover.py (when and where a request moves), wan_health.py (WAN link state and probes),
 reporting.py (metrics, spans, the final event's info).
 """
@@ -12,18 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
 from pdd.router import failover, reporting
 from pdd.router.failover import WAN_ERRORS, WATCH_INTERVAL_S, Failure, HealthWatch
-from pdd.router.inflight import InFlight
+from pdd.router.inflight import CHECK, FINISHED, InFlight
 from pdd.router.ownership import OwnershipTracker
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
 from pdd.router.routing import NO_INSTANCE, Route, Routing
-from pdd.router.types import GenerationError, GenerationRequest, TokenEvent
+from pdd.router.types import Generation, GenerationError, GenerationRequest, TokenEvent
 from pdd.router.wan_health import WanHealth, WanProbe
 from pdd.shared import metrics
 from pdd.shared.bus import Bus, Envelope
@@ -35,6 +37,7 @@ from pdd.shared.telemetry import get_logger
 
 log = get_logger("pdd.router")
 tracer = trace.get_tracer("pdd.router")
+DEADLINE_MARGIN_S = 0.01  # the deadline's timer runs on the loop's clock, the deadline is wall time: fire after it
 
 
 class Orchestrator:
@@ -52,14 +55,29 @@ class Orchestrator:
         self.routing = Routing(config, bus, registry, self.index, self.wan)
         self.health = HealthWatch(config, bus, registry)
         self.waiting = 0  # requests waiting for an instance of a role that has none live
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.index.start(self.bus)
         await self.bus.subscribe(self.events_subject, self._on_event,
                                  expect=(PrefillResult, TokenChunk, ErrorReply))
+        self._watchdog = asyncio.create_task(self._watch(), name="router-watchdog")
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         await self.wan.stop()
+
+    async def _watch(self) -> None:
+        """Wake every request that has heard nothing for ``WATCH_INTERVAL_S`` so it checks its instances' health.
+        One timer for the router instead of one per wait: a request waits once per token of its stream."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S / 2)
+            quiet_since = time.monotonic() - WATCH_INTERVAL_S
+            for state in list(self.inflight.values()):
+                if state.last_progress <= quiet_since and not state.check_queued:
+                    state.check_queued = True
+                    state.control.put_nowait(CHECK)
 
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
         """The request's route; where a role it needs has no live instance (all suspected, restarting), wait for
@@ -104,8 +122,21 @@ class Orchestrator:
         limits = [i.max_context for i in self.registry.instances() if i.max_context]
         return min(limits) if limits else 0
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Async generator of token events; closing it early cancels the request everywhere."""
+    def generate(self, req: GenerationRequest) -> Generation:
+        """Start the request: its events go straight from the bus callback to the HTTP layer's queue; cancelling
+        the generation's task (the client left) cancels the request everywhere."""
+        events: asyncio.Queue = asyncio.Queue()
+        return Generation(events, asyncio.create_task(self._serve(req, events), name=f"pdd-req-{req.request_id}"))
+
+    async def _serve(self, req: GenerationRequest, events: asyncio.Queue) -> None:
+        try:
+            await self._run(req, events)
+        except Exception as exc:  # noqa: BLE001 - handed to the HTTP layer, which maps it to an HTTP error
+            events.put_nowait(exc)
+
+    async def _run(self, req: GenerationRequest, events: asyncio.Queue) -> None:
+        """The request loop: route, submit, then act on what is not a token (a quiet stream's health check, a
+        failure to migrate from, the deadline) until the last token went out (``_emit``)."""
         arrival = time.monotonic()
         with tracer.start_as_current_span("router.request", attributes={
                 "request_id": req.request_id, "prompt_tokens": len(req.prompt_ids)}) as span:
@@ -116,52 +147,57 @@ class Orchestrator:
             model = self.config.model.served_name
             metrics.PROMPT_TOKENS.labels(model).inc(len(req.prompt_ids))
             report = reporting.StreamReport(span, route.pipeline, arrival, model)
-            state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id)
+            state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id, report=report,
+                             out=events)
             self.inflight[state.attempt_id] = state
             metrics.IN_FLIGHT.labels(model).inc()
+            at_deadline = asyncio.get_running_loop().call_later(  # one timer per request, none per token
+                max(0.0, req.deadline_unix - time.time()) + DEADLINE_MARGIN_S, state.control.put_nowait, CHECK)
             finished = False
             try:
                 await self._submit(state)
                 report.submit(time.monotonic())
                 while True:
-                    remaining = req.deadline_unix - time.time()
-                    if remaining <= 0:
+                    item = await state.control.get()
+                    if state.finished:  # whatever else was queued (a check, a failure) came too late to matter
+                        finished = True
+                        return
+                    if time.time() >= req.deadline_unix:
                         raise GenerationError(504, "deadline_exceeded",
                                               f"request {req.request_id} did not finish before its deadline")
-                    try:  # a timer per wait, no task: this runs once per token of every stream
-                        if state.queue.empty():
-                            async with asyncio.timeout(min(remaining, WATCH_INTERVAL_S)):
-                                item = await state.queue.get()
-                        else:
-                            item = state.queue.get_nowait()
-                    except TimeoutError:
+                    if item is CHECK:  # quiet for WATCH_INTERVAL_S (the watchdog), or the deadline
+                        state.check_queued = False
                         problem = self.health.problem(state)
                         if problem is not None:
-                            await self._migrate(state, problem, span)
-                        continue
-                    if isinstance(item, GenerationError):
-                        raise item
-                    if isinstance(item, Failure):
-                        await self._migrate(state, item, span)
-                        continue
-                    now = time.monotonic()
-                    report.tokens(state, len(item.token_ids), now)
-                    state.sent += len(item.token_ids)
-                    if item.finish_reason is not None:
-                        finished = True
-                        item.info = reporting.request_info(state)
-                        report.finish(state, item.finish_reason, now)
-                    yield item
-                    if finished:
-                        return
+                            await self._migrate(state, problem)
+                    elif isinstance(item, Failure):
+                        await self._migrate(state, item)
+                    else:
+                        raise item  # a GenerationError
             except GenerationError as exc:
                 report.error(exc)
                 raise
             finally:
+                at_deadline.cancel()
                 self.inflight.pop(state.attempt_id, None)
                 metrics.IN_FLIGHT.labels(model).dec()
                 if not finished:
                     await self._cancel(state.attempt_id, "client gone or failed")
+
+    def _emit(self, state: InFlight, tokens: list[int], finish_reason: str | None, logprobs: list,
+              received: float = 0.0) -> None:
+        """Tokens (and the finish) to the client's queue, counted by the request's report; the last ends the loop."""
+        state.report.tokens(state, len(tokens), time.monotonic())
+        state.flushed.extend(tokens)
+        event = TokenEvent(tokens, finish_reason, logprobs=logprobs if len(logprobs) == len(tokens) else [],
+                           received=received)
+        if finish_reason is not None:
+            event.info = reporting.request_info(state)
+            state.report.finish(state, finish_reason, time.monotonic())
+            self.inflight.pop(state.attempt_id, None)  # nothing more of it is taken off the bus
+            state.finished = True
+            state.control.put_nowait(FINISHED)  # wakes the request loop, which ends
+        state.out.put_nowait(event)
 
     async def _submit(self, state: InFlight) -> None:
         req, route = state.request, state.route
@@ -178,7 +214,7 @@ class Orchestrator:
         except Exception as exc:
             log.warning("cancel_publish_failed", request_id=attempt_id, error=str(exc))
 
-    async def _migrate(self, state: InFlight, failure: Failure, span: trace.Span) -> None:
+    async def _migrate(self, state: InFlight, failure: Failure) -> None:
         """Move the request to healthy instances under a new attempt id, or fail it with a clear error."""
         rid = state.request.request_id
         if state.migrations >= self.config.router.max_migrations:
@@ -192,9 +228,8 @@ class Orchestrator:
         self.inflight.pop(state.attempt_id, None)
         await self._cancel(state.attempt_id, f"migrating: {failure.code}")
         if state.held:  # the client gets the held first token now: it is part of the resume point
-            state.queue.put_nowait(TokenEvent(state.held, logprobs=state.held_logprobs))
-            state.flushed.extend(state.held)
-            state.held, state.held_logprobs = [], []
+            held, held_logprobs, state.held, state.held_logprobs = state.held, state.held_logprobs, [], []
+            self._emit(state, held, None, held_logprobs)
         state.attempt_id = f"{rid}-m{state.migrations}"
         self.inflight[state.attempt_id] = state
         state.last_progress = time.monotonic()
@@ -203,7 +238,7 @@ class Orchestrator:
             state.route = await self.route(state.request, exclude=state.excluded)
             state.tracker = OwnershipTracker(state.route.pipeline)
             state.wan_fallback, state.resumed_on = False, None
-            reporting.note_route(span, state.route)
+            reporting.note_route(state.report.span, state.route)
             await self._submit(state)
             target = state.route.prefill
         else:
@@ -218,7 +253,7 @@ class Orchestrator:
                 request_id=state.attempt_id, prompt_ids=req.prompt_ids, sampling=req.sampling, pipeline=Pipeline.RESUME,
                 events_subject=self.events_subject, deadline_unix=req.deadline_unix,
                 output_ids=list(state.flushed)))
-        reporting.note_migration(state, span, kind, failure.code, left, target)
+        reporting.note_migration(state, state.report.span, kind, failure.code, left, target)
         log.warning("request_migrated", request_id=rid, kind=kind, reason=failure.code, detail=failure.message,
                     left=left, to=target.instance_id, to_role=target.role, resume_at=len(state.flushed))
 
@@ -234,7 +269,7 @@ class Orchestrator:
         if isinstance(message, ErrorReply):
             outcome = failover.on_error(state, message, self.wan, self.registry)
             if outcome is not None:
-                state.queue.put_nowait(outcome)
+                state.control.put_nowait(outcome)
             return
         if isinstance(message, PrefillResult):
             state.p_cached = message.cached_tokens
@@ -256,7 +291,4 @@ class Orchestrator:
             tokens, state.held = state.held + tokens, []
             logprobs, state.held_logprobs = state.held_logprobs + logprobs, []
         if tokens or emission.finish_reason:
-            state.flushed.extend(tokens)
-            state.queue.put_nowait(TokenEvent(tokens, emission.finish_reason,
-                                              logprobs=logprobs if len(logprobs) == len(tokens) else [],
-                                              received=received))
+            self._emit(state, tokens, emission.finish_reason, logprobs, received)

@@ -93,6 +93,7 @@ class StreamReport:
         self.submitted: float | None = None  # first handed to a prefill instance
         self.first: float | None = None  # the client got the first token
         self.last: float | None = None  # when the client last got tokens
+        self._itl = metrics.ITL.labels(model, pipeline)  # observed per token: the labelled child looked up once
 
     def submit(self, now: float) -> None:
         """The request was handed to its prefill instance: the router's queue time ends here."""
@@ -101,16 +102,16 @@ class StreamReport:
             metrics.QUEUE_TIME.labels(self.model).observe(now - self.arrival)
 
     def tokens(self, state: InFlight, count: int, now: float) -> None:
-        """``count`` tokens go to the client at ``now``; ``state.sent`` does not count them yet."""
+        """``count`` tokens go to the client at ``now``; ``state.flushed`` does not hold them yet."""
+        sent = len(state.flushed)
         if not count:
             return
         boundary = state.tracker.relay_until
-        if boundary is not None and self.last is not None and state.sent <= boundary + 1 < state.sent + count:
+        if boundary is not None and self.last is not None and sent <= boundary + 1 < sent + count:
             stall = now - self.last  # the gap in which ownership moved from the relay to MD
             metrics.HANDOFF_STALL.observe(stall)
             self.span.set_attribute("handoff_stall_ms", round(stall * 1000, 2))
-        itl = metrics.ITL.labels(self.model, self.pipeline)
-        if not state.sent:
+        if not sent:
             metrics.TTFT.labels(self.model, self.pipeline).observe(now - self.arrival)
             self.first = now
             if self.submitted is not None:
@@ -120,9 +121,9 @@ class StreamReport:
         else:
             gaps = metrics.itl_observations(now - (self.last if self.last is not None else now), count)
         for gap in gaps:
-            itl.observe(gap)
+            self._itl.observe(gap)
         self.last = now
-        emitted = state.sent + count
+        emitted = sent + count
         if emitted <= SPAN_TOKEN_EVENTS_UNTIL:  # spans cap their events
             self.span.add_event("tokens", {"count": count, "emitted": emitted,
                                            "relay_tokens": state.tracker.relay_tokens})
@@ -137,7 +138,7 @@ class StreamReport:
                 metrics.TPOT.labels(self.model).observe(decode / (len(state.flushed) - 1))
         if self.submitted is not None:
             metrics.INFERENCE_TIME.labels(self.model).observe(now - self.submitted)
-        self.span.set_attributes({"output_tokens": state.sent, "rld_tokens": state.tracker.relay_tokens})
+        self.span.set_attributes({"output_tokens": len(state.flushed), "rld_tokens": state.tracker.relay_tokens})
 
     def error(self, exc: GenerationError) -> None:
         metrics.REQUEST_ERRORS.labels(exc.code).inc()

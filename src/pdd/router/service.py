@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pdd.router.orchestrator import Orchestrator
 from pdd.router.registry import Registry
-from pdd.router.types import GenerationRequest, TokenEvent
+from pdd.router.types import Generation, GenerationRequest
 from pdd.shared.config import InstanceConfig, PDDConfig
 from pdd.shared.roles import ENGINE_ROLES, Role
 from pdd.shared.service import Service
@@ -80,7 +79,8 @@ class RouterService(Service):
 
         app = create_app(self)
         rc = self.config.router
-        cfg = uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning", access_log=False, lifespan="off")
+        cfg = uvicorn.Config(app, host=rc.host, port=rc.port, log_level="warning", access_log=False, lifespan="off",
+                             http="httptools")
         self._uvicorn = uvicorn.Server(cfg)
         self._uvicorn.install_signal_handlers = lambda: None  # the service owns SIGTERM (drain)
         sockets = [shared_port_socket(rc.host, rc.port)] if rc.reuse_port else None
@@ -110,5 +110,5 @@ class RouterService(Service):
     def health_details(self) -> dict[str, Any]:
         return {"instances": self.registry.snapshot()}
 
-    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, req: GenerationRequest) -> Generation:
         return self.orchestrator.generate(req)

@@ -1,11 +1,12 @@
-"""Driving one backend generation for the HTTP layer: a pump task, disconnect watch, text deltas.
+"""Driving one backend generation for the HTTP layer: its event queue, disconnect watch, text deltas.
 
-The backend's async generator runs in its own asyncio task (the pump) rather than in the HTTP
-handler's task. Why: when a client goes away, the handler may be cancelled by the server with
-anyio's level-triggered cancellation, and then every ``await`` in the backend's cleanup (telling
-prefill/relay/decode over NATS to drop the request and free KV) would be cancelled again. In its own
-task, the backend is closed exactly once — ``aclose()`` (GeneratorExit at a ``yield``) or one
-``CancelledError`` at an ``await`` — and its ``finally`` can await freely.
+The router's orchestrator fills the event queue from its bus callback in a task of its own (a
+``Generation``); any other backend's async generator runs in its own asyncio task (the pump). Either
+way the producer is not the HTTP handler's task. Why: when a client goes away, the handler may be
+cancelled by the server with anyio's level-triggered cancellation, and then every ``await`` in the
+backend's cleanup (telling prefill/relay/decode over NATS to drop the request and free KV) would be
+cancelled again. In its own task, the backend is closed exactly once — one ``CancelledError`` at an
+``await`` (or ``aclose()``: GeneratorExit at a ``yield``) — and its ``finally`` can await freely.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, AsyncIterator
 import anyio
 
 from pdd.router.detokenize import IncrementalDetokenizer
-from pdd.router.types import GenerationError, TokenEvent
+from pdd.router.types import Generation, GenerationError, TokenEvent
 from pdd.shared.protocol import TokenLogprobs
 from pdd.shared.telemetry import get_logger
 
@@ -40,19 +41,32 @@ class _Disconnected:
     pass
 
 
+class _Expired:
+    pass
+
+
 _END = _End()
 _DISCONNECTED = _Disconnected()
+_EXPIRED = _Expired()
 
 
 class BackendStream:
-    """Owns one ``backend.generate()`` generator: iterates it in a task, closes it exactly once."""
+    """Owns one generation: its events in one queue, its producer closed exactly once. A ``Generation`` fills the
+    queue itself; an async generator is iterated into it by a pump task."""
 
-    def __init__(self, agen: AsyncIterator[TokenEvent], request_id: str):
-        self._agen = agen
+    def __init__(self, source: AsyncIterator[TokenEvent] | Generation, request_id: str, deadline_unix: float):
+        """``deadline_unix``: the request's; ``DEADLINE_GRACE_S`` after it the consumer gets a 504 whatever the
+        backend does (one timer per stream, none per event)."""
         self._request_id = request_id
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: put never blocks the pump
         self._stash: list[Any] = []  # at most one item next_ready took and gave back
-        self._task = asyncio.create_task(self._pump(), name=f"pdd-gen-{request_id}")
+        if isinstance(source, Generation):
+            self._queue, self._task = source.events, source.task
+        else:
+            self._agen = source
+            self._queue = asyncio.Queue()  # unbounded: put never blocks the pump
+            self._task = asyncio.create_task(self._pump(), name=f"pdd-gen-{request_id}")
+        self._expiry = asyncio.get_running_loop().call_later(
+            max(0.0, deadline_unix + DEADLINE_GRACE_S - time.time()), self._queue.put_nowait, _EXPIRED)
 
     async def _pump(self) -> None:
         try:
@@ -73,18 +87,11 @@ class BackendStream:
     def mark_disconnected(self) -> None:
         self._queue.put_nowait(_DISCONNECTED)
 
-    async def next(self, timeout: float | None) -> TokenEvent | None:
+    async def next(self) -> TokenEvent | None:
         """The next event; None when the generator ended without a final event."""
-        if self._stash:
-            item = self._stash.pop()
-        elif not self._queue.empty():  # no timer when it is already there (once per token of every stream)
-            item = self._queue.get_nowait()
-        else:
-            try:
-                async with asyncio.timeout(timeout):
-                    item = await self._queue.get()
-            except TimeoutError:
-                raise GenerationError(504, "timeout", "the request exceeded its deadline") from None
+        item = self._stash.pop() if self._stash else await self._queue.get()
+        if item is _EXPIRED:
+            raise GenerationError(504, "timeout", "the request exceeded its deadline")
         if item is _DISCONNECTED:
             raise ClientDisconnected()
         if item is _END:
@@ -100,13 +107,14 @@ class BackendStream:
         if self._stash or self._queue.empty():
             return None
         item = self._queue.get_nowait()
-        if isinstance(item, (_End, _Disconnected, BaseException)) or item.logprobs:
+        if isinstance(item, (_End, _Disconnected, _Expired, BaseException)) or item.logprobs:
             self._stash.append(item)
             return None
         return item
 
     async def close(self) -> None:
         """Stop the generation (no-op when it ended); waits for the backend's cleanup, shielded."""
+        self._expiry.cancel()
         with anyio.CancelScope(shield=True):
             if not self._task.done():
                 self._task.cancel()
@@ -141,16 +149,14 @@ class Delta:
     received: float = 0.0  # when its oldest token came off the bus (time.monotonic(); 0: unknown)
 
 
-async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int,
-                      deadline_unix: float) -> AsyncIterator[Delta]:
+async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int) -> AsyncIterator[Delta]:
     """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens. Events already
     queued behind the one awaited (tokens that arrived together, e.g. while the router caught up) make one
     delta, so one SSE event: its token count tells the client how many output positions it carries."""
     count = 0
     info: dict = {}
     while True:
-        timeout = max(0.0, deadline_unix + DEADLINE_GRACE_S - time.time())
-        event: TokenEvent | None = await stream.next(timeout)
+        event: TokenEvent | None = await stream.next()
         if event is None:
             log.warning("backend_ended_without_finish", request_id=stream._request_id)
             yield Delta(detok.finish(), "stop", count, info)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from pdd.shared.pipelines import HandoffMode, Pipeline
@@ -39,3 +40,13 @@ class TokenEvent:
     info: dict = field(default_factory=dict)  # on the last event: pipeline, instances, hit rates, handoff
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when the request asked
     received: float = 0.0  # time.monotonic() when the router took these tokens off the bus (0: not from the bus)
+
+
+@dataclass
+class Generation:
+    """A generation whose producer fills the consumer's queue itself (the orchestrator: from the bus callback), so
+    a token costs the HTTP layer one task switch. ``events`` carries TokenEvents (the last with finish_reason), or
+    an exception instance; cancelling ``task`` stops the generation and cancels the request everywhere."""
+
+    events: asyncio.Queue
+    task: asyncio.Task

@@ -66,7 +66,7 @@ class BusConnectError(BusError):
     """The first connection was refused for good (bad credentials, TLS failure): retrying cannot help."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Envelope:
     subject: str
     reply: str | None
@@ -361,20 +361,16 @@ class Bus:
             log.warning("bus_message_rejected", subject=msg.subject, code=exc.code, error=exc.message,
                         size=len(msg.data))
 
-        async def handle(message: Message, msg: Msg, headers: dict[str, str],
-                         ctx: otel_context.Context) -> Message | None:
-            token = otel_context.attach(ctx)
+        async def handle(message: Message, msg: Msg, envelope: Envelope) -> Message | None:
             try:
                 if span_name:
                     with _tracer.start_as_current_span(span_name, attributes={"messaging.destination": msg.subject}):
-                        return await handler(message, Envelope(msg.subject, msg.reply or None, headers))
-                return await handler(message, Envelope(msg.subject, msg.reply or None, headers))
+                        return await handler(message, envelope)
+                return await handler(message, envelope)
             except Exception as exc:  # a handler bug must not kill the subscription
                 HANDLER_ERRORS.labels(subject=_metric_subject(subject)).inc()
                 log.exception("bus_handler_failed", subject=msg.subject, type=message.TYPE)
                 return ErrorReply(code="internal", message=f"{type(exc).__name__}: {exc}")
-            finally:
-                otel_context.detach(token)
 
         async def callback(msg: Msg) -> None:
             headers = dict(msg.headers or {})
@@ -387,19 +383,24 @@ class Bus:
                 if msg.reply:
                     await self._safe_respond(msg, ErrorReply(code="protocol_error", message=str(exc)))
                 return
-            ctx = extract_context(headers)  # once per NATS message: a batch's items share its headers
-            if isinstance(message, Batch):  # each item as if it had come alone, in order
-                for item in message.items:
-                    try:
-                        one = protocol.decode_envelope(item, expect=expect)
-                        if isinstance(one, Batch):
-                            raise ProtocolError("bad_frame", "a batch cannot hold a batch")
-                    except ProtocolError as exc:
-                        reject(msg, exc)
-                        continue
-                    await handle(one, msg, headers, ctx)
-                return
-            result = await handle(message, msg, headers, ctx)
+            envelope = Envelope(msg.subject, msg.reply or None, headers)
+            # the sender's trace context, once per NATS message: a batch's items share its headers
+            token = otel_context.attach(extract_context(headers))
+            try:
+                if isinstance(message, Batch):  # each item as if it had come alone, in order
+                    for item in message.items:
+                        try:
+                            one = protocol.decode_envelope(item, expect=expect)
+                            if isinstance(one, Batch):
+                                raise ProtocolError("bad_frame", "a batch cannot hold a batch")
+                        except ProtocolError as exc:
+                            reject(msg, exc)
+                            continue
+                        await handle(one, msg, envelope)
+                    return
+                result = await handle(message, msg, envelope)
+            finally:
+                otel_context.detach(token)
             if msg.reply and result is not None:
                 await self._safe_respond(msg, result)
 
