@@ -78,7 +78,8 @@ def _body(pipeline: Pipeline, handoff: HandoffMode | None = None, max_tokens: in
     if handoff is not None:
         pdd["handoff"] = handoff.value
     return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "pdd": pdd}
+            "pdd": pdd,  # usage on every chunk: MIN_TOKENS counts tokens, also when several share a chunk (load)
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
 async def _in_flight(cluster: LocalCluster, instance_id: str) -> int:

@@ -216,6 +216,9 @@ class Workload:
         if int((n + 1) * share) > int(n * share):
             if stream:
                 spec.abort_after = r.randrange(0, max(2, body["max_tokens"]))
+                # the abort point is a token count: each chunk says how many it carries (under load the router
+                # sends tokens that arrived together as one chunk)
+                body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
             else:
                 spec.abort_delay = r.uniform(0.01, 1.5)
         return spec
