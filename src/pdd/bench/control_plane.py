@@ -133,19 +133,6 @@ def merged(scrapes: list[Any]) -> dict:
     return out
 
 
-def wait_routers(cluster: Any, timeout_s: float = 120.0) -> list[Any]:
-    """Every router process of the cluster, once each has logged that it is ready (/health answers from one)."""
-    from pdd.shared.roles import Role
-
-    routers = [m for m in cluster.members.values() if m.role == Role.ROUTER]
-    deadline = time.monotonic() + timeout_s
-    while not all(m.log_event("service_ready") for m in routers):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"routers not ready after {timeout_s:.0f}s; logs in {cluster.run_dir}")
-        time.sleep(0.25)
-    return routers
-
-
 def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: float) -> dict[str, Any]:
     from pdd.loadgen.scrape import histogram_quantile, samples_of, scrape_sync
     from pdd.loadgen.stats import pct
@@ -160,7 +147,7 @@ def run_level(args: argparse.Namespace, run_root: Path, streams: int, dilation: 
     modeled_step_s = md_model.step_time(streams, ctx) * dilation
     with LocalCluster(run_root / f"s{streams}-k{dilation:g}", cfg) as cluster:
         cluster.start()
-        routers = wait_routers(cluster)
+        routers = [m for m in cluster.members.values() if m.role == Role.ROUTER]  # start() waited for each
         vocab = vocab_size(args.model)
         asyncio.run(run_streams(cluster.base_url, 2, 8, vocab, seed=1))  # warm: links open
         pids = {m.instance_id: m.proc.pid for m in cluster.members.values()}

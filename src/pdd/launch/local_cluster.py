@@ -194,8 +194,8 @@ class LocalCluster:
                 if not m.alive:
                     raise RuntimeError(f"{m.instance_id} exited ({m.proc.returncode}); log {m.log_path}:\n"
                                        f"{m.log_path.read_text(errors='replace')[-3000:]}")
-            engines_ready = all(m.log_event("service_ready") for m in self.members.values() if m.role != Role.ROUTER)
-            if engines_ready and http_json(self.base_url + "/health")[0] == 200:
+            every_ready = all(m.log_event("service_ready") for m in self.members.values())  # each router too
+            if every_ready and http_json(self.base_url + "/health")[0] == 200:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"system not ready after {timeout:.0f}s; logs in {self.run_dir}")

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from pdd.router.reporting import StreamReport
 
 CHECK = object()  # a request that has heard nothing for a while (or reached its deadline): look around
-FINISHED = object()  # its last token went to the client: the request loop ends
 
 
 @dataclass

@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from pdd.router import failover, reporting
 from pdd.router.failover import WAN_ERRORS, WATCH_INTERVAL_S, Failure, HealthWatch
-from pdd.router.inflight import CHECK, FINISHED, InFlight
+from pdd.router.inflight import CHECK, InFlight
 from pdd.router.ownership import OwnershipTracker
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
@@ -196,7 +196,7 @@ class Orchestrator:
             state.report.finish(state, finish_reason, time.monotonic())
             self.inflight.pop(state.attempt_id, None)  # nothing more of it is taken off the bus
             state.finished = True
-            state.control.put_nowait(FINISHED)  # wakes the request loop, which ends
+            state.control.put_nowait(CHECK)  # wakes the request loop, which sees it finished and ends
         state.out.put_nowait(event)
 
     async def _submit(self, state: InFlight) -> None:
