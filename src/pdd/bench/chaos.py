@@ -7,7 +7,8 @@ model unless --model) with an emulated WAN (in-process shaper whose link is cut 
 file). First an undisturbed greedy run of the prompt set gives the reference outputs; then each
 scenario streams the same requests concurrently and injects its fault mid-stream:
 
-- kill_md / kill_rld: ``kill -9`` of the main decoder / relay holding the most requests;
+- kill_md / kill_rld: ``kill -9`` of the main decoder / relay holding the most requests (kill_rld's
+  arrivals spread over RELAY_KILL_SPREAD_S, so a relay still holds fresh ones when the kill comes);
 - nats_restart: nats-server stopped for --nats-down-s seconds, then restarted on the same port;
 - stop_p: ``SIGSTOP`` of the prefill the router prefers, before the requests arrive; they are
   retried on the other prefill once the registry misses its heartbeats (SIGCONT at the end);
@@ -87,6 +88,7 @@ from pdd.shared.roles import Role
 from pdd.transports.wan_emulation import WanConfig
 
 SITE_SCENARIOS = ("nats_kill_a", "nats_kill_b", "wan_cut_net")  # on two sites, one nats-server each
+RELAY_KILL_SPREAD_S = 2.0  # kill_rld's arrivals are spread over this long
 SCENARIOS = ("kill_md", "kill_rld", "nats_restart", "wan_cut", "stop_p", *SITE_SCENARIOS)
 DEFAULT_SCENARIOS = (*SCENARIOS[:4], *SITE_SCENARIOS)  # stop_p checks the retry path (no token out yet)
 HANG_GRACE_S = 15.0
@@ -318,8 +320,10 @@ async def scenario(name: str, cluster: LocalCluster, texts: list[str], reference
     elif name == "wan_cut_net":  # P-MD until the cut: KV in flight; later ones (no MD reachable) routed freely
         pipelines = [Pipeline.P_MD if i < len(texts) // 5 else None for i in range(len(texts))]
 
-    # transfers keep starting across the cut
-    spread = args.wan_cut_s * 2 if name in ("wan_cut", "wan_cut_net") else 0.0
+    # transfers keep starting across the cut; a relay keeps taking fresh requests, whatever the decode speed
+    # (all at once, a fast box's relays can finish or hand over every one between two health reads)
+    spread = (args.wan_cut_s * 2 if name in ("wan_cut", "wan_cut_net")
+              else RELAY_KILL_SPREAD_S if name == "kill_rld" else 0.0)
     if name in ("wan_cut", "wan_cut_net"):
         # a link still read down from an earlier scenario (e.g. a main decoder killed mid-transfer) would
         # pass for one this cut took down, and could keep wan_back_after_s from ever coming
