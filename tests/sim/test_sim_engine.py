@@ -92,10 +92,11 @@ def test_policy_routes_low_hits_via_relay_and_anomalous_locally():
 
 def test_router_never_reads_the_output_length():
     """Without max_tokens from the client, the router knows only the model's room: the same short outputs that
-    the anomalous rule catches when sent as max_tokens now look like any other request."""
+    the anomalous rule catches when sent as max_tokens now look like any other request. (The WAN-saturated rule,
+    which also finishes requests on the relay, is off: the question here is the anomalous rule's input.)"""
     from pdd.shared.policy import PolicyConfig
 
-    inp = _input("pdd", n=400, out=600, policy=PolicyConfig(anomalous_min_prompt_tokens=4000))
+    inp = _input("pdd", n=400, out=600, policy=PolicyConfig(anomalous_min_prompt_tokens=4000, wan_saturated_s=1e9))
     short = inp.output < 500
     assert short.any()
     r = simulate(inp)

@@ -12,10 +12,11 @@ import zmq.asyncio
 import zmq.auth
 
 from pdd.transports import PeerLostError, create_transport
+from pdd.transports.base import SendProgress
 from pdd.transports.blocks import FramePlan
 from pdd.transports.keys_cli import write_keypair
 
-from .conftest import Pair, layout_for, snapshot, unchanged
+from .conftest import PLUGINS, Pair, layout_for, snapshot, unchanged
 
 LAYOUT = layout_for("float16", layers=2)
 
@@ -150,9 +151,46 @@ def test_shaper_models_flows_and_the_line(streams, line, flow, expected_s) -> No
     shaped = create_transport("inproc", {"streams": streams, "shape": {"rate": line, "flow_rate": flow}})
     nbytes = 1_000_000
     before = time.monotonic()
-    arrival = shaped._schedule(nbytes, [before])
+    _, arrival = shaped._schedule(nbytes, [before])
     after = time.monotonic()
     assert before + expected_s <= arrival <= after + expected_s
     line_s = nbytes * 8 / shaped.rate_bps
-    second = shaped._schedule(nbytes, [time.monotonic()])  # another send: its own flows, the same line
+    _, second = shaped._schedule(nbytes, [time.monotonic()])  # another send: its own flows, the same line
     assert second >= before + 2 * line_s and second >= arrival
+
+
+@pytest.mark.parametrize("name", PLUGINS)
+async def test_progress_counts_every_acknowledged_byte(name) -> None:
+    layout = layout_for(layers=4)
+    async with Pair(name, layout) as pair:
+        handle = pair.receiver.expect("p", [1, 2, 3])
+        progress = SendProgress()
+        stats = await pair.sender.send(pair.peer, "p", [0, 1, 2], [1, 2, 3], progress=progress)
+        await handle
+        assert progress.crossed == stats.bytes == 2 * 4 * 3 * layout.bytes_per_block_per_tensor
+
+
+async def test_a_cancelled_shaped_send_reports_the_layers_that_crossed() -> None:
+    """The relay finished first and P gave up on the transfer: the layers already across were sent all the
+    same (P counts them as WAN bytes), the ones still waiting for the emulated line never go."""
+    layout = layout_for(layers=8)
+    per_layer = 2 * 4 * layout.bytes_per_block_per_tensor  # K and V of 4 blocks
+    async with Pair("zmq", layout) as pair:
+        # one layer per 50 ms through the emulated line, then 200 ms on the wire: the send would take 600 ms
+        shaped = create_transport("zmq", {"shape": {"rate": f"{per_layer * 8 / 0.05:.0f}bit", "delay": "200ms"}})
+        await shaped.start()
+        shaped.register(layout, *pair.src_pool)
+        peer = await shaped.connect(pair.receiver.descriptor())
+        pair.receiver.expect("c", [1, 2, 3, 4], timeout_s=5.0)
+        progress = SendProgress()
+        send = asyncio.create_task(shaped.send(peer, "c", [0, 1, 2, 3], [1, 2, 3, 4], progress=progress))
+        await asyncio.sleep(0.18)
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        pair.receiver.cancel("c")
+        # the layers through the line by the cancel (3 at 0.18 s: at 0.05, 0.10, 0.15 s) crossed, although none
+        # had reached the receiver yet; the rest never go
+        assert progress.crossed % per_layer == 0
+        assert 2 * per_layer <= progress.crossed < 8 * per_layer
+        await shaped.close()

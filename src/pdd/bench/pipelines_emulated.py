@@ -82,6 +82,7 @@ from pdd.sim.event_loop import P_MD, P_RLD_MD, SimInput, SimResult, simulate
 from pdd.sim.metrics import Slo, attainment
 from pdd.sim.scenario import Scenario, load_yaml, set_path, stage_capacity, unit_poisson
 
+HEARTBEAT_MS = 250  # every engine's heartbeat (service.heartbeat_ms); the simulator's router reads P's as often
 SYSTEM_OF = {"colocated": "baseline", "naive": "naive", "naive-stream0": "naive", "pdd": "pdd"}
 TIMING_RULES = ("times per output position at the client (stream_options.continuous_usage_stats): TTFT = "
                 "position 0, TT2 = position 1, mean ITL = (last - first) / (n - 1) = the simulator's TPOT",
@@ -115,6 +116,7 @@ class Plan:
     eos: list[int]
     to_id: dict[str, int]
     trace: trace_mode.TraceSlice | None = None  # --trace: the slice replayed instead of the sessions
+    heartbeat_s: float = HEARTBEAT_MS / 1000  # the engines' heartbeat in modeled seconds (wall / dilation)
 
 
 def plan(args: argparse.Namespace, run_root: Path) -> Plan:
@@ -163,7 +165,8 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
                 fraction=fraction, scenario_rate=scenario_rate, scenario_split=split,
                 slo=Slo(**data.get("slo", {})), overrides=overrides, vocab_size=len(tok),
                 eos=[eos] if isinstance(eos, int) else [],
-                to_id={w: vocab[i % len(vocab)] for i, w in enumerate(WORDS)}, trace=trace)
+                to_id={w: vocab[i % len(vocab)] for i, w in enumerate(WORDS)}, trace=trace,
+                heartbeat_s=HEARTBEAT_MS / 1000 / args.time_dilation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,12 +272,15 @@ def sim_input(p: Plan, setup: live.Setup, run: Run, rate: float, capacity: dict[
     if inp.wan is not None:
         inp.wan = replace(inp.wan, bandwidth_gbps=inp.wan.per_flow_gbps * split["prefill"], jitter_sigma=0.0,
                           throughput_sigma=0.0)
+        # the router's view of that line, as the live fleet's (launch/emulate.py emulated_policy)
+        inp.policy = inp.policy.model_copy(update={"wan_flows": inp.wan.concurrent_transfers})
     inp.first_token_from_prefill = not setup.holds_first_token
     inp.drc = inp.drc and setup.md_cache
     if run.trace is None:
         inp.md_cached = run.md_cached
         inp.route_max_tokens = run.arrays.output  # the sessions' client sends each output length as max_tokens
     inp.after = run.after
+    inp.heartbeat_s = p.heartbeat_s  # the router reads P's WAN backlog as often as the live one does
     if capacity:
         inp.prefill_cache_tokens = capacity[Role.PREFILL]
         inp.decode = inp.decode.with_(kv_capacity_tokens=capacity[Role.MAIN_DECODE])
@@ -341,7 +347,7 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
                        "wan": {"name": "zmq", "options": wan_opts}},
         "router": router,
         "policy": emulate.emulated_policy(p.scn, p.link, args.time_dilation),
-        "service": {"heartbeat_ms": 250, "drain_timeout_s": 5},
+        "service": {"heartbeat_ms": HEARTBEAT_MS, "drain_timeout_s": 5},
         "telemetry": {"exporter": "jsonl", "jsonl_path": str(spans_path), "log_format": "json"},
     }
 

@@ -61,6 +61,7 @@ def emulated_policy(scenario: Any, link: EmulatedLink, time_dilation: float) -> 
     policy = scenario.policy.model_dump()
     policy["wan_masking_threshold_s"] *= time_dilation
     policy["default_wan_gbps"] = link.rate_bits / 1e9
+    policy["wan_flows"] = 1  # the shaper's line is one transfer's rate: a second transfer shares it
     return policy
 
 

@@ -16,7 +16,6 @@ from opentelemetry import trace
 
 from pdd.engine import EngineInputError, StepOutput
 from pdd.roles.engine_service import EngineService, sampling_params
-from pdd.roles.wan_backlog import WanBacklog
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
@@ -37,6 +36,8 @@ from pdd.shared.protocol import (
 )
 from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, inject_headers
+from pdd.shared.wan_backlog import WanBacklog
+from pdd.transports.base import SendProgress
 from pdd.transports.errors import PeerLostError, TransferTimeout
 
 SENT_MEMORY_S = 60.0  # how long a finished transfer is remembered for its receiver's transfer check
@@ -242,6 +243,16 @@ class PrefillService(EngineService):
         assert isinstance(plan, ImportPlan)
         return plan
 
+    def _count_sent(self, link: KVLink, planned: int, nbytes: int, seconds: float, span: trace.Span) -> None:
+        """One send's bytes, whether it completed or not, in the link's counter, the span and P's WAN backlog."""
+        gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+        span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
+        if link == KVLink.WAN:
+            self.wan_backlog.finished(planned, nbytes)
+            metrics.WAN_BYTES.labels(self.instance_id).inc(nbytes)
+        else:
+            metrics.FAST_BYTES.labels(self.instance_id).inc(nbytes)
+
     async def _transfer(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, blocks: list[int],
                         first: int) -> None:
         span_name = f"kv.transfer.{dest.link}"
@@ -258,29 +269,25 @@ class PrefillService(EngineService):
                 # held for this send: other transfers share the link, and none may close it under this one
                 peer = await self.links.hold(dest.link, plan.descriptor)
                 planned = len(src) * self.engine.block_size * self.engine.layout.bytes_per_token
-                on_wan = dest.link == KVLink.WAN
-                if on_wan:
+                if dest.link == KVLink.WAN:
                     self.wan_backlog.started(planned)
+                progress = SendProgress()
                 t0 = time.monotonic()
                 try:
                     stats = await self.transports[dest.link].send(peer, req.request_id, src, plan.dst_blocks,
-                                                                       trace_context=inject_headers())
+                                                                  trace_context=inject_headers(), progress=progress)
                     nbytes = stats.bytes
                 except PeerLostError:  # this link is gone: the next transfer opens a new one
                     await self.links.forget(dest.link, plan.descriptor, peer)
                     raise
                 finally:
                     await self.links.release(dest.link, peer)
-                    if on_wan:
-                        self.wan_backlog.finished(planned, nbytes)
-                seconds = time.monotonic() - t0
-            gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
-            span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
+                    seconds = time.monotonic() - t0
+                    # failed or cancelled (the relay finished first): what crossed until then still crossed
+                    nbytes = nbytes or progress.crossed
+                    self._count_sent(dest.link, planned, nbytes, seconds, span)
         if dest.link == KVLink.WAN:
-            metrics.WAN_BYTES.labels(self.instance_id).inc(nbytes)
             metrics.WAN_TRANSFER.observe(seconds)
-        else:
-            metrics.FAST_BYTES.labels(self.instance_id).inc(nbytes)
         self._sent[(req.request_id, dest.instance_id)] = time.monotonic()
         await self.bus.publish(Subjects.instance(dest.instance_id, "kv_ready"), KVReady(
             request_id=req.request_id, instance_id=self.instance_id, first_token=first, bytes_sent=nbytes,

@@ -25,6 +25,7 @@ from pdd.shared.protocol import (
     WAN_EGRESS_KEY,
     WAN_QUEUED_KEY,
     WAN_RATE_KEY,
+    WAN_TRANSFERS_KEY,
     Announce,
     CacheQuery,
     CacheQueryReply,
@@ -109,7 +110,11 @@ class Routing:
         """Seconds of KV the prefill instances of ``site`` have queued on the WAN, by their own heartbeats."""
         summaries = [p.cache_summary for p in self.registry.instances(Role.PREFILL) if p.site == site]
         queued = sum(_number(s.get(WAN_QUEUED_KEY)) for s in summaries)
-        return wan_queue_seconds(queued, sum(_number(s.get(WAN_EGRESS_KEY)) for s in summaries), self.config.policy)
+        egress = sum(_number(s.get(WAN_EGRESS_KEY)) for s in summaries)
+        # a P that does not say how many it has in flight (an older version) counts as a full line: its backlog
+        # is read as a queue, as before the field existed
+        transfers = sum(_number(s.get(WAN_TRANSFERS_KEY, self.config.policy.wan_flows)) for s in summaries)
+        return wan_queue_seconds(queued, egress, transfers, self.config.policy)
 
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
         """The request's route; GenerationError 503 when a role its pipeline needs has no instance."""

@@ -102,8 +102,10 @@ class Deployment:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Deployment":
         chips = {k: build(Chip, v) for k, v in data["chips"].items()}
-        return Deployment(data, chips, build(ModelSpec, data["model"]), build(WanLink, data.get("wan", {})),
-                          PolicyConfig(**data.get("policy", {})))
+        wan = build(WanLink, data.get("wan", {}))
+        # the router is configured for the line the scenario describes, unless its policy says otherwise
+        policy = PolicyConfig(**{"wan_flows": wan.concurrent_transfers, **data.get("policy", {})})
+        return Deployment(data, chips, build(ModelSpec, data["model"]), wan, policy)
 
     @property
     def util(self) -> dict[str, float]:

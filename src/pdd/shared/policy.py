@@ -57,6 +57,11 @@ class PolicyConfig(BaseModel):
         1.0, gt=0, description="WAN queue (seconds before a new transfer could start) above which the relay "
                                "finishes requests locally instead of adding to the queue."
     )
+    wan_flows: int = Field(
+        1, ge=1, description="KV transfers the WAN line carries side by side, each at one transfer's full rate "
+                             "(line rate / one transfer's rate, e.g. 100 / 10 Gbit/s: 10). While fewer are in "
+                             "flight a new transfer waits for none: the WAN queue reads 0."
+    )
 
 
 @dataclass(frozen=True)
@@ -88,9 +93,12 @@ def estimate_wan_seconds(missing_tokens: int, inputs: RouteInputs, cfg: PolicyCo
     return wan_bytes, wan_bytes / bandwidth
 
 
-def wan_queue_seconds(queued_bytes: float, egress_bps: float, cfg: PolicyConfig) -> float:
-    """How long the WAN needs for the KV already queued on it: P's reported backlog over its measured egress
-    (the assumed bandwidth until one is measured). The simulator's equivalent is the wait for a free flow."""
+def wan_queue_seconds(queued_bytes: float, egress_bps: float, transfers: float, cfg: PolicyConfig) -> float:
+    """How long a new transfer would wait for the KV already on the WAN: none while the line has a free flow
+    (fewer than ``wan_flows`` transfers in flight), else P's reported backlog over its measured egress (the
+    assumed bandwidth until one is measured). A transfer slow on its own (the per-flow rate) is no queue."""
+    if transfers < cfg.wan_flows:
+        return 0.0
     rate = egress_bps if egress_bps > 0 else cfg.default_wan_gbps * 1e9 / 8
     return max(0.0, queued_bytes) / rate
 

@@ -292,6 +292,7 @@ class ErrorReply(Message):
 WAN_RATE_KEY = "wan_bytes_per_s"  # MD: EWMA of one KV transfer's arrival rate over the WAN
 WAN_QUEUED_KEY = "wan_queued_bytes"  # P: KV bytes its WAN transfers in flight have still to send (estimated)
 WAN_EGRESS_KEY = "wan_egress_bytes_per_s"  # P: its WAN egress while it had transfers in flight (EWMA)
+WAN_TRANSFERS_KEY = "wan_transfers"  # P: its WAN transfers in flight
 
 
 @dataclass

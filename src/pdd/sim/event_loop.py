@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdd.scenarios import WanLink
-from pdd.shared.config import ModelConfig
+from pdd.shared.config import ModelConfig, ServiceConfig
 from pdd.shared.cost_model import CostModel
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.policy import PolicyConfig, RouteInputs, choose_handoff_mode, choose_pipeline, instance_cost
 
 from .prefix_cache import BlockCache
+from .wan_view import HeartbeatWanView
 
 # Pipeline codes in results: PDD's pipelines, and the baselines' conventional prefill -> decode path.
 P_MD, P_RLD_MD, P_RLD, P_D = 0, 1, 2, 3
@@ -90,6 +91,8 @@ class SimInput:
     prefill_cache_tokens: int | None = None  # one P instance's cache (None: its KV capacity)
     # the live router's load figure is requests in flight over this (the engines' max_num_seqs default)
     load_norm_seqs: int = ModelConfig.model_fields["max_num_seqs"].default
+    # how often each P reports its WAN backlog: the router's WAN-saturated rule reads the last report (wan_view.py)
+    heartbeat_s: float = ServiceConfig.model_fields["heartbeat_ms"].default / 1000
 
 
 @dataclass
@@ -257,6 +260,9 @@ class _Run:
         self.flow_bps = wan.transfer_bytes_per_s if wan else 1.0
         self.wan_bytes = [0.0]  # one cell, added to by the transfer helpers and the loop
         self.wan_sending: dict[int, tuple[float, float, float]] = {}  # rid -> (data begins, ends, bytes) of its KV
+        # PDD's router sees the WAN queue through P's heartbeats
+        self.wan_view = (HeartbeatWanView(inp.n_prefill, inp.heartbeat_s, inp.policy) if wan and inp.kind == "pdd"
+                         else None)
         self.rdma_bps = inp.rdma_gbps * 1e9 / 8
         self.stall_v: list[float] = []
 
@@ -281,6 +287,7 @@ def _transfer_ops(run: _Run):
         run.events, run.seq, run.waiters, run.arr_l, run.svc_l, run.prefill_free)
     wan, jit_l, tput_l, wan_flows, wan_sending, wan_bytes = (
         run.wan, run.jit_l, run.tput_l, run.wan_flows, run.wan_sending, run.wan_bytes)
+    wan_view, req_p = run.wan_view, run.req_p
     flow_bps, rdma_bps, rdma_setup_s = run.flow_bps, run.rdma_bps, run.inp.rdma_setup_s
     heappush, heappop = heapq.heappush, heapq.heappop
 
@@ -293,6 +300,7 @@ def _transfer_ops(run: _Run):
         """Join the FIFO prefill queue: the earliest-free prefill instance takes the request."""
         arr_l[rid] = now
         t_free, i = heappop(prefill_free)
+        req_p[rid] = i
         end = (now if now > t_free else t_free) + svc_l[rid]
         heappush(prefill_free, (end, i))
         heappush(events, (end, next(seq), _PREFILLED, rid, 0))
@@ -310,16 +318,22 @@ def _transfer_ops(run: _Run):
         heappush(wan_flows, data_end)
         wan_bytes[0] += nbytes
         wan_sending[rid] = (begin, data_end, nbytes)
+        if wan_view is not None:
+            wan_view.started(rid, req_p[rid], nbytes, ready)
         return data_end + wan.setup_s * jit_l[rid]
 
     def cancel_wan_transfer(rid: int, now: float) -> None:
         """The relay finished the request first: the live system cancels its KV transfer to MD, and the
         bytes not yet sent never cross the WAN (the flow stays booked to its end: a simplification)."""
         sending = wan_sending.pop(rid, None)
-        if sending is None or now >= sending[1]:
+        if sending is None:
             return
         data_begin, end, nbytes = sending
-        wan_bytes[0] -= nbytes * (end - max(now, data_begin)) / (end - data_begin) if end > data_begin else nbytes
+        unsent = 0.0 if now >= end else (
+            nbytes * (end - max(now, data_begin)) / (end - data_begin) if end > data_begin else nbytes)
+        wan_bytes[0] -= unsent
+        if wan_view is not None:
+            wan_view.finished(rid, now, nbytes - unsent)
 
     def rdma_time(nbytes: float) -> float:
         return rdma_setup_s + nbytes / rdma_bps
@@ -563,7 +577,7 @@ def _loop(run: _Run) -> tuple[int, float]:
         run.prompt_l, run.cached_l, run.md_cached_l, run.out_l, run.need_l, run.first, run.finish, run.ok, run.pipe)
     req_inst, req_join, req_jid, md_res, finished, cancelled, rld_tokens = (
         run.req_inst, run.req_join, run.req_jid, run.md_res, run.finished, run.cancelled, run.rld_tokens)
-    wan_flows = run.wan_flows
+    wan_view = run.wan_view
     pool_reserved, pool_cap, route_mt_l, md_pin, md_caches = (
         run.pool_reserved, run.pool_cap, run.route_mt_l, run.md_pin, run.md_caches)
     p_queued, req_p = run.p_queued, run.req_p
@@ -598,7 +612,7 @@ def _loop(run: _Run) -> tuple[int, float]:
                     prompt_tokens=prompt_l[a], max_tokens=route_mt_l[a], p_cached_tokens=cached_l[a],
                     md_cached_tokens=md_cached_l[a], kv_bytes_per_token=int(kvb),
                     wan_bandwidth_bps=route_bps, rld_available=rld_available, rld_load=load,
-                    wan_queue_s=max(0.0, wan_flows[0] - now),
+                    wan_queue_s=wan_view.queue_s(now) if wan_view is not None else 0.0,
                 ), pol)
                 pipe[a], route_bytes[a] = _CODE[dec.pipeline], dec.wan_bytes
         elif kind == _PREFILLED:  # send the KV where the route says
@@ -624,6 +638,8 @@ def _loop(run: _Run) -> tuple[int, float]:
                 heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 1))
                 heappush(events, (wan_transfer(rid, route_bytes[rid], now), next(seq), _MD_READY, rid, 0))
         elif kind == _KV_READY:
+            if b == 0 and wan_view is not None:  # MD's KV over the WAN landed: P's transfer ends
+                wan_view.finished(a, now)
             admit(a, b, _KV_READY, now)
         elif kind == _FINISH:
             inst = insts[a]
@@ -639,6 +655,8 @@ def _loop(run: _Run) -> tuple[int, float]:
             schedule(inst, now)
             release_check(inst.pool, now)
         elif kind == _MD_READY:
+            if wan_view is not None:
+                wan_view.finished(a, now)
             if not finished[a]:
                 admit(a, 0, _MD_READY, now)
         elif kind == _HANDOFF:

@@ -32,12 +32,12 @@ from . import telemetry
 from .blocks import FramePlan, byte_view, gather, plan_frames
 from .errors import IncompatiblePeerError
 from .frames import FrameHeader, UnexpectedFrame, checksum, decode_header
-from .receive_side import ReceiveRegistry, TransferHandle, TransferStats
+from .receive_side import ReceiveRegistry, SendProgress, TransferHandle, TransferStats
 
 PROTOCOL_VERSION = 1
 DEFAULT_MAX_FRAME_BYTES = 16 << 20  # bulk KV: fewer, larger frames (per-frame cost ~1-3 ms CPU)
 
-__all__ = ["KVTransport", "Peer", "TransferHandle", "TransferStats"]
+__all__ = ["KVTransport", "Peer", "SendProgress", "TransferHandle", "TransferStats"]
 
 
 @dataclass
@@ -120,8 +120,10 @@ class KVTransport(abc.ABC):
         return peer
 
     async def send(self, peer: Peer, request_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None) -> TransferStats:
-        """Send blocks src->dst for the given layers (all by default); returns when all are acknowledged."""
+                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None,
+                   progress: SendProgress | None = None) -> TransferStats:
+        """Send blocks src->dst for the given layers (all by default); returns when all are acknowledged.
+        ``progress`` counts the bytes that crossed as they do, for a caller whose send may fail or be cancelled."""
         self._require_registered()
         src, dst = [int(b) for b in src_blocks], [int(b) for b in dst_blocks]
         layers = list(range(self.layout.num_layers) if layers is None else layers)
@@ -135,7 +137,8 @@ class KVTransport(abc.ABC):
             raise ValueError(f"layers must lie in [0, {self.layout.num_layers})")
         plans = plan_frames(src, dst, layers, self.layout.bytes_per_block_per_tensor, self.max_frame_bytes)
         t0 = time.monotonic()
-        nbytes = await self._send_frames(peer, request_id, plans, trace_context)
+        nbytes = await self._send_frames(peer, request_id, plans, trace_context,
+                                         progress if progress is not None else SendProgress())
         stats = TransferStats(nbytes, time.monotonic() - t0, len(plans))
         telemetry.record(self.name, "send", nbytes, stats.seconds, trace_context, request_id)
         return stats
@@ -168,8 +171,9 @@ class KVTransport(abc.ABC):
 
     @abc.abstractmethod
     async def _send_frames(self, peer: Peer, request_id: str, plans: list[FramePlan],
-                           trace_context: dict | None) -> int:
-        """Send every planned frame, wait for acknowledgements, return payload bytes sent."""
+                           trace_context: dict | None, progress: SendProgress) -> int:
+        """Send every planned frame, wait for acknowledgements, return payload bytes sent; add each frame's
+        bytes to ``progress`` as it is acknowledged."""
 
     @abc.abstractmethod
     async def _close(self) -> None: ...

@@ -9,7 +9,7 @@ import asyncio
 import weakref
 from typing import Any
 
-from .base import KVTransport, Peer
+from .base import KVTransport, Peer, SendProgress
 from .blocks import FramePlan
 from .errors import PeerLostError, RemoteRejected
 from .frames import FrameError
@@ -35,10 +35,11 @@ class InprocTransport(KVTransport):
         return _ENDPOINTS.get(str(peer.descriptor.get("address", "")).removeprefix("inproc://"))
 
     async def _send_frames(self, peer: Peer, request_id: str, plans: list[FramePlan],
-                           trace_context: dict | None) -> int:
-        return await asyncio.to_thread(self._deliver_all, peer, request_id, plans, trace_context)
+                           trace_context: dict | None, progress: SendProgress) -> int:
+        return await asyncio.to_thread(self._deliver_all, peer, request_id, plans, trace_context, progress)
 
-    def _deliver_all(self, peer: Peer, request_id: str, plans: list[FramePlan], tc: dict | None) -> int:
+    def _deliver_all(self, peer: Peer, request_id: str, plans: list[FramePlan], tc: dict | None,
+                     progress: SendProgress) -> int:
         total = 0
         for plan in plans:
             target = self._target(peer)
@@ -46,9 +47,11 @@ class InprocTransport(KVTransport):
                 raise PeerLostError(f"inproc peer {peer.peer_id} is gone", request_id)
             header, payload = self._build_frame(request_id, plan, tc)
             try:
-                total += target._receive_frame(header, payload)
+                received = target._receive_frame(header, payload)
             except FrameError as exc:
                 raise RemoteRejected(f"receiver rejected frame: {exc}", request_id, type(exc).__name__) from exc
+            total += received
+            progress.crossed += received
         return total
 
     async def _close(self) -> None:

@@ -25,6 +25,15 @@ from .frames import FrameHeader, UnexpectedFrame, check_against_layout, verify_p
 
 
 @dataclass
+class SendProgress:
+    """Bytes of one send that have crossed the link so far: acknowledged by the receiver (the in-process shaper
+    also counts layers through its emulated line and still in its delay, on the wire). A send that fails, or
+    whose caller cancels it (a relay finished the request first), has still moved these: the sender counts them."""
+
+    crossed: int = 0
+
+
+@dataclass
 class TransferStats:
     """What one send (or one completed receive) moved."""
 

@@ -18,7 +18,7 @@ import random
 import time
 from typing import Any, Sequence
 
-from .base import KVTransport, Peer
+from .base import KVTransport, Peer, SendProgress
 from .errors import PeerLostError
 from .receive_side import TransferHandle, TransferStats
 from .units import rate_bits, seconds
@@ -75,29 +75,41 @@ class ShapedTransport(KVTransport):
 
     # ---- shaping -----------------------------------------------------------------------------
     async def send(self, peer: Peer, request_id: str, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None) -> TransferStats:
+                   layers: range | Sequence[int] | None = None, trace_context: dict | None = None,
+                   progress: SendProgress | None = None) -> TransferStats:
         layers = list(range(self.inner.layout.num_layers) if layers is None else layers)
         per_layer = 2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor
         t0 = time.monotonic()
         deliveries = []
+        crossed_at: list[float] = []  # per layer, when its bytes are through the line (then the delay)
+        begun: set[int] = set()  # layers handed to the inner transport (their acknowledgements count themselves)
         own_free_at = [t0]  # this send's flows, as a virtual clock
-        for layer in layers:
-            await self._wait_up(request_id)
-            arrival = self._schedule(per_layer, own_free_at)
-            deliveries.append(asyncio.create_task(self._deliver(
-                arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context)))
-        # every layer's delivery runs to its end (success or a typed failure): cancelling one mid-send
-        # could cut a frame in half on the wire
-        outcomes = await asyncio.gather(*deliveries, return_exceptions=True)
+        try:
+            for i, layer in enumerate(layers):
+                await self._wait_up(request_id)
+                crossed, arrival = self._schedule(per_layer, own_free_at)
+                crossed_at.append(crossed)
+                deliveries.append(asyncio.create_task(self._deliver(
+                    arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context, progress, begun, i)))
+            # every layer's delivery runs to its end (success or a typed failure): cancelling one mid-send
+            # could cut a frame in half on the wire
+            outcomes = await asyncio.gather(*deliveries, return_exceptions=True)
+        except asyncio.CancelledError:
+            if progress is not None:  # layers through the line but still in its delay were on the wire: they crossed
+                now = time.monotonic()
+                progress.crossed += per_layer * sum(
+                    1 for i, t in enumerate(crossed_at) if t <= now and i not in begun)
+            raise
         failures = [o for o in outcomes if isinstance(o, BaseException)]
         if failures:
             raise failures[0]
         results = outcomes
         return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results))
 
-    def _schedule(self, nbytes: int, own_free_at: list[float]) -> float:
-        """Monotonic time at which these bytes have crossed the emulated link: through the line (shared) and
-        through this send's own flows (``own_free_at``, its virtual clock), whichever ends later."""
+    def _schedule(self, nbytes: int, own_free_at: list[float]) -> tuple[float, float]:
+        """Monotonic times at which these bytes are through the emulated line, and at which they arrive (the delay
+        later): through the line (shared) and through this send's own flows (``own_free_at``, its virtual
+        clock), whichever ends later."""
         now = time.monotonic()
         start = max(now, self._link_free_at)
         self._link_free_at = start + (nbytes * 8 / self.rate_bps if self.rate_bps else 0.0)
@@ -108,13 +120,15 @@ class ShapedTransport(KVTransport):
         jitter = self._rng.uniform(-self.jitter_s, self.jitter_s) if self.jitter_s else 0.0
         arrival = max(crossed + max(0.0, self.delay_s + jitter), self._last_arrival)
         self._last_arrival = arrival
-        return arrival
+        return crossed, arrival
 
     async def _deliver(self, at: float, peer: Peer, rid: str, src: Sequence[int], dst: Sequence[int],
-                       layers: list[int], tc: dict | None) -> TransferStats:
+                       layers: list[int], tc: dict | None, progress: SendProgress | None, begun: set[int],
+                       index: int) -> TransferStats:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         await self._wait_up(rid)
-        return await self.inner.send(peer, rid, src, dst, layers, tc)
+        begun.add(index)
+        return await self.inner.send(peer, rid, src, dst, layers, tc, progress)
 
     def is_up(self) -> bool:
         return self._up.is_set() and not (self.down_file and os.path.exists(self.down_file))

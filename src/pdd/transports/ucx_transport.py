@@ -47,7 +47,7 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # and erratic transfer times on small CPU hosts. Python futures wake on completion instead.
 os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
-from .base import KVTransport, Peer  # noqa: E402
+from .base import KVTransport, Peer, SendProgress  # noqa: E402
 from .blocks import FramePlan  # noqa: E402
 from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferError  # noqa: E402
 from .frames import MAX_HEADER_BYTES, OversizeFrame, error_class  # noqa: E402
@@ -304,14 +304,20 @@ class UcxTransport(KVTransport):
             await self._lt.run(self._close_link(peer.state))
 
     async def _send_frames(self, peer: Peer, request_id: str, plans: list[FramePlan],
-                           trace_context: dict | None) -> int:
+                           trace_context: dict | None, progress: SendProgress) -> int:
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
         # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
         # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
-        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context)))
+        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
+                                                                 progress)))
 
-    async def _send_here(self, link: _Link, rid: str, plans: list[FramePlan], tc: dict | None) -> int:
+    async def _send_here(self, link: _Link, rid: str, plans: list[FramePlan], tc: dict | None,
+                         progress: SendProgress) -> int:
+        def acknowledged(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                progress.crossed += f.result()
+
         pending: list[asyncio.Future] = []
         posts: list[asyncio.Future] = []
         registered: list[int] = []
@@ -328,7 +334,7 @@ class UcxTransport(KVTransport):
                     if post.done() and post.exception() is not None:
                         raise post.exception()
                 fut = asyncio.get_running_loop().create_future()
-                fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+                fut.add_done_callback(acknowledged)
                 seq = link.next_seq
                 link.next_seq += 1
                 link.inflight[seq] = (fut, nbytes)

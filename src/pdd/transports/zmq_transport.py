@@ -44,7 +44,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from .base import KVTransport, Peer
+from .base import KVTransport, Peer, SendProgress
 from .blocks import FramePlan
 from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferError
 from .frames import error_class
@@ -398,33 +398,40 @@ class ZmqTransport(KVTransport):
         return fn(*args)
 
     async def _send_frames(self, peer: Peer, request_id: str, plans: list[FramePlan],
-                           trace_context: dict | None) -> int:
+                           trace_context: dict | None, progress: SendProgress) -> int:
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
         # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
         # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
-        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context)))
+        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
+                                                                 progress)))
 
-    async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
+    async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None,
+                         progress: SendProgress) -> int:
         """A link closed under a send (``disconnect`` while the send runs) fails it with PeerLostError,
         never with the socket's own error (ENOTSOCK) or with the CancelledError that closing a socket sets
         on its pending sends: to the caller both mean "this link is gone", like any lost peer."""
         try:
-            return await self._send_on_link(streams, rid, plans, tc)
+            return await self._send_on_link(streams, rid, plans, tc, progress)
         except (zmq.ZMQError, asyncio.CancelledError) as exc:
             if not any(s.closed for s in streams):
                 raise  # a real cancellation (the transport's loop stopping), or a zmq fault of its own
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise PeerLostError(f"link closed while sending ({detail})", rid) from None
 
-    async def _send_on_link(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None) -> int:
+    async def _send_on_link(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None,
+                            progress: SendProgress) -> int:
         pending: list[asyncio.Future] = []
         registered: list[tuple[_Stream, int]] = []
         errors: list[BaseException] = []  # first failure of any frame stops the send at once
 
         def on_done(f: asyncio.Future) -> None:
-            if not f.cancelled() and f.exception() is not None:
+            if f.cancelled():
+                return
+            if f.exception() is not None:
                 errors.append(f.exception())
+            else:
+                progress.crossed += f.result()
 
         try:
             for plan in plans:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from pdd.shared.protocol import WAN_EGRESS_KEY, WAN_QUEUED_KEY
+from pdd.shared.protocol import WAN_EGRESS_KEY, WAN_QUEUED_KEY, WAN_TRANSFERS_KEY
 
 EWMA_WEIGHT = 0.3  # of the newest heartbeat interval's rate
 
@@ -65,4 +65,4 @@ class WanBacklog:
             sample = self._delivered / self._busy_s
             self.rate = sample if self.rate == 0 else (1 - EWMA_WEIGHT) * self.rate + EWMA_WEIGHT * sample
             self._delivered, self._busy_s = 0, 0.0
-        return {WAN_QUEUED_KEY: self.left(), WAN_EGRESS_KEY: self.rate}
+        return {WAN_QUEUED_KEY: self.left(), WAN_EGRESS_KEY: self.rate, WAN_TRANSFERS_KEY: self._in_flight}
