@@ -194,3 +194,27 @@ async def test_a_cancelled_shaped_send_reports_the_layers_that_crossed() -> None
         assert progress.crossed % per_layer == 0
         assert 2 * per_layer <= progress.crossed < 8 * per_layer
         await shaped.close()
+
+
+async def test_a_cancelled_zmq_send_hands_no_more_frames_to_the_socket() -> None:
+    """A cancelled send (the relay finished the request first) stops at the next frame boundary: the frames not
+    yet handed to the socket never cross the WAN, where before the send ran to its end behind its shield."""
+    layout = layout_for(layers=8)
+    blocks = list(range(20))
+    total = 2 * len(blocks) * layout.num_layers * layout.bytes_per_block_per_tensor
+    one_frame = layout.bytes_per_block_per_tensor  # a frame each, one unacknowledged per stream: ~320 round trips
+    async with Pair("zmq", layout, sender_opts={"max_frame_bytes": one_frame, "window_bytes": one_frame}) as pair:
+        pair.receiver.expect("stop", blocks, timeout_s=10.0)
+        progress = SendProgress()
+        send = asyncio.create_task(pair.sender.send(pair.peer, "stop", blocks, blocks, progress=progress))
+        while progress.crossed == 0:
+            await asyncio.sleep(0.001)
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        last = -1
+        while progress.crossed != last:  # until the acknowledgements still under way are in
+            last = progress.crossed
+            await asyncio.sleep(0.2)
+        assert 0 < progress.crossed < total  # the receiver, still expecting every block, would have taken them
+        pair.receiver.cancel("stop")

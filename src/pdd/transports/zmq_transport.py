@@ -36,6 +36,7 @@ import asyncio
 import logging
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +47,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .base import KVTransport, Peer, SendProgress
 from .blocks import FramePlan
-from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferError
+from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferCancelled, TransferError
 from .frames import error_class
 from .loop_thread import LoopThread
 from .window import AckWindow
@@ -119,6 +120,11 @@ class _Stream(AckWindow):
     alive_at: float = field(default_factory=time.monotonic)  # last sign of the receiver on this stream
     sampled: tuple[int | None, int, float] = (None, 0, 0.0)  # (fd, bytes_acked, when) at the last look
     closed: bool = False  # the link was closed (disconnect, or the transport): its sockets are gone
+
+
+def _wake_senders(streams: list[_Stream]) -> None:
+    for stream in streams:
+        stream.released.set()
 
 
 class ZmqTransport(KVTransport):
@@ -402,17 +408,25 @@ class ZmqTransport(KVTransport):
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
         # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
-        # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
-        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
-                                                                 progress)))
+        # stall for every later transfer); it stops the send at the next frame boundary instead, so the frames
+        # not yet handed to the socket never cross (a relay finished the request first: its KV is not needed)
+        stop = threading.Event()
+        try:
+            return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
+                                                                     progress, stop)))
+        except asyncio.CancelledError:
+            stop.set()
+            if self._lt is not None:  # one waiting for window room sees the stop at once
+                self._lt.call(_wake_senders, peer.state)
+            raise
 
     async def _send_here(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None,
-                         progress: SendProgress) -> int:
+                         progress: SendProgress, stop: threading.Event) -> int:
         """A link closed under a send (``disconnect`` while the send runs) fails it with PeerLostError,
         never with the socket's own error (ENOTSOCK) or with the CancelledError that closing a socket sets
         on its pending sends: to the caller both mean "this link is gone", like any lost peer."""
         try:
-            return await self._send_on_link(streams, rid, plans, tc, progress)
+            return await self._send_on_link(streams, rid, plans, tc, progress, stop)
         except (zmq.ZMQError, asyncio.CancelledError) as exc:
             if not any(s.closed for s in streams):
                 raise  # a real cancellation (the transport's loop stopping), or a zmq fault of its own
@@ -420,7 +434,7 @@ class ZmqTransport(KVTransport):
             raise PeerLostError(f"link closed while sending ({detail})", rid) from None
 
     async def _send_on_link(self, streams: list[_Stream], rid: str, plans: list[FramePlan], tc: dict | None,
-                            progress: SendProgress) -> int:
+                            progress: SendProgress, stop: threading.Event) -> int:
         pending: list[asyncio.Future] = []
         registered: list[tuple[_Stream, int]] = []
         errors: list[BaseException] = []  # first failure of any frame stops the send at once
@@ -439,7 +453,7 @@ class ZmqTransport(KVTransport):
                     raise PeerLostError("link closed", rid)
                 header, payload = self._build_frame(rid, plan, tc)
                 stream = min(streams, key=lambda s: s.inflight_bytes)
-                await self._acquire(stream, payload.nbytes, rid, streams)
+                await self._acquire(stream, payload.nbytes, rid, streams, stop)
                 if errors:
                     raise errors[0]
                 if not stream.connected.is_set():
@@ -465,9 +479,15 @@ class ZmqTransport(KVTransport):
             for stream, seq in registered:
                 stream.forget([seq])
 
-    async def _acquire(self, stream: _Stream, nbytes: int, rid: str, link: list[_Stream]) -> None:
-        """Backpressure: wait until this frame fits in the stream's unacknowledged window."""
-        while stream.inflight and stream.inflight_bytes + nbytes > self.window_bytes:
+    async def _acquire(self, stream: _Stream, nbytes: int, rid: str, link: list[_Stream],
+                       stop: threading.Event) -> None:
+        """Backpressure: wait until this frame fits in the stream's unacknowledged window. The caller gave up on
+        the send (``stop``): TransferCancelled before the next frame."""
+        while True:
+            if stop.is_set():
+                raise TransferCancelled("the sender cancelled the transfer", rid)
+            if not (stream.inflight and stream.inflight_bytes + nbytes > self.window_bytes):
+                return
             stream.released.clear()
             await self._bounded(stream.released.wait(), rid, stage="in-flight window", link=link)
 
