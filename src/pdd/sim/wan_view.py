@@ -1,8 +1,8 @@
 """The WAN queue as the live router sees it, for the simulated router's WAN-saturated rule.
 
 Live, each prefill instance counts its WAN backlog and measures its egress (`pdd.shared.wan_backlog`), and
-sends them, with its transfers in flight, in its heartbeat; the router sums the last heartbeats of the site's instances and routes on that
-(`policy.wan_queue_seconds`). So it decides on a figure up to one heartbeat old, whose drain rate is a
+sends them, with its transfers in flight, in its heartbeat; the router sums the last heartbeats of the site's
+instances and routes on that (`policy.wan_queue_seconds`). So it decides on a figure up to one heartbeat old, whose drain rate is a
 measurement (bytes delivered per second of having a transfer in flight, setup included), not the link's
 rate. Here the same class runs per simulated P on the simulated clock, fed the same events (a WAN transfer
 starts when its prefill ends; it ends when its KV lands, or when the relay finished first and the transfer was
