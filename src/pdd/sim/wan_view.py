@@ -1,12 +1,12 @@
 """The WAN queue as the live router sees it, for the simulated router's WAN-saturated rule.
 
-Live, each prefill instance counts its WAN backlog and measures its egress (`pdd.shared.wan_backlog`), and
-sends them, with its transfers in flight, in its heartbeat; the router sums the last heartbeats of the site's
-instances and routes on that (`policy.wan_queue_seconds`). So it decides on a figure up to one heartbeat old, whose drain rate is a
-measurement (bytes delivered per second of having a transfer in flight, setup included), not the link's
-rate. Here the same class runs per simulated P on the simulated clock, fed the same events (a WAN transfer
-starts when its prefill ends; it ends when its KV lands, or when the relay finished first and the transfer was
-cancelled), and its summary is taken at every heartbeat tick; the router reads the last one, through the same
+Live, each prefill instance counts its WAN backlog and measures its egress (`pdd.shared.wan_backlog`), and sends
+them, with its transfers in flight, in its heartbeat; the router sums the last heartbeats of the site's instances
+and routes on that (`policy.wan_queue_seconds`). So it decides on a figure up to one heartbeat old, whose drain
+rate is a measurement (bytes delivered per second of having a transfer in flight, setup included), not the link's
+rate. Here the same class runs per simulated P on the simulated clock, fed the same events (a WAN transfer starts
+when its prefill ends; it ends when its KV lands, or when the relay finished first and the transfer was cancelled),
+and its summary is taken at every heartbeat tick; the router reads the last one, through the same
 `policy.wan_queue_seconds` (no queue while the transfers in flight leave one of the line's `wan_flows` free).
 The exact wait for a free transfer slot, which the simulator read before, is a better figure than the live router
 has: it sent 5 requests relay-only where the live system sent 11 on the same 60 (docs/BENCHMARKS.md, "Real
