@@ -9,7 +9,6 @@ yet fails over.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 
 from pdd.router.prefix_index import PrefixIndex
@@ -20,18 +19,16 @@ from pdd.shared.bus import Bus, BusError
 from pdd.shared.config import PDDConfig
 from pdd.shared.links import KVLink, link_between
 from pdd.shared.pipelines import Pipeline, spec
-from pdd.shared.policy import RouteInputs, choose_pipeline, instance_cost, wan_queue_seconds
+from pdd.shared.policy import RouteInputs, choose_pipeline, instance_cost
 from pdd.shared.protocol import (
-    WAN_EGRESS_KEY,
-    WAN_QUEUED_KEY,
     WAN_RATE_KEY,
-    WAN_TRANSFERS_KEY,
     Announce,
     CacheQuery,
     CacheQueryReply,
     Subjects,
 )
 from pdd.shared.roles import Role
+from pdd.shared.wan_backlog import reported_figure, site_queue_seconds
 
 CACHE_QUERY_TIMEOUT_S = 0.5
 # 503 codes of a role with no live instance: the orchestrator waits for one (router.instance_wait_s)
@@ -108,13 +105,8 @@ class Routing:
 
     def wan_queue_s(self, site: str) -> float:
         """Seconds of KV the prefill instances of ``site`` have queued on the WAN, by their own heartbeats."""
-        summaries = [p.cache_summary for p in self.registry.instances(Role.PREFILL) if p.site == site]
-        queued = sum(_number(s.get(WAN_QUEUED_KEY)) for s in summaries)
-        egress = sum(_number(s.get(WAN_EGRESS_KEY)) for s in summaries)
-        # a P that does not say how many it has in flight (an older version) counts as a full line: its backlog
-        # is read as a queue, as before the field existed
-        transfers = sum(_number(s.get(WAN_TRANSFERS_KEY, self.config.policy.wan_flows)) for s in summaries)
-        return wan_queue_seconds(queued, egress, transfers, self.config.policy)
+        return site_queue_seconds([p.cache_summary for p in self.registry.instances(Role.PREFILL) if p.site == site],
+                                  self.config.policy)
 
     async def route(self, req: GenerationRequest, exclude: set[str] = frozenset()) -> Route:
         """The request's route; GenerationError 503 when a role its pipeline needs has no instance."""
@@ -132,7 +124,7 @@ class Routing:
             decision_pipeline, reason = forced, "forced"
             wan_bytes = max(0, len(req.prompt_ids) - md_cached) * kv_bytes_per_token
         else:
-            wan_rate = _number(main_decode.cache_summary.get(WAN_RATE_KEY)) if main_decode else 0.0
+            wan_rate = reported_figure(main_decode.cache_summary.get(WAN_RATE_KEY)) if main_decode else 0.0
             decision = choose_pipeline(RouteInputs(
                 prompt_tokens=len(req.prompt_ids), max_tokens=req.sampling.max_tokens, p_cached_tokens=p_cached,
                 md_cached_tokens=md_cached, kv_bytes_per_token=kv_bytes_per_token, wan_bandwidth_bps=wan_rate,
@@ -149,10 +141,3 @@ class Routing:
             md_link = KVLink.WAN
         return Route(decision_pipeline, reason, prefill, relay, main_decode, p_cached, md_cached,
                      wan_bytes if md_link == KVLink.WAN else 0, md_link)
-
-
-def _number(value: object) -> float:
-    """A heartbeat figure as a finite non-negative float; anything else (absent, corrupt) counts as 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        return 0.0
-    return float(value)

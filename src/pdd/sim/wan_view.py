@@ -15,9 +15,8 @@ traffic"; with this view 8).
 
 from __future__ import annotations
 
-from pdd.shared.policy import PolicyConfig, wan_queue_seconds
-from pdd.shared.protocol import WAN_EGRESS_KEY, WAN_QUEUED_KEY, WAN_TRANSFERS_KEY
-from pdd.shared.wan_backlog import WanBacklog
+from pdd.shared.policy import PolicyConfig
+from pdd.shared.wan_backlog import WanBacklog, site_queue_seconds
 
 
 class HeartbeatWanView:
@@ -28,7 +27,7 @@ class HeartbeatWanView:
         self.heartbeat_s = heartbeat_s
         self.policy = policy
         self.backlogs = [WanBacklog(clock=self._clock) for _ in range(max(1, n_prefill))]
-        self.reported = [{WAN_QUEUED_KEY: 0.0, WAN_EGRESS_KEY: 0.0, WAN_TRANSFERS_KEY: 0} for _ in self.backlogs]
+        self.reported = [b.summary() for b in self.backlogs]  # before the first beat: nothing queued
         self.next_tick = heartbeat_s
         self.open: dict[int, tuple[int, float]] = {}  # request -> (its P, planned bytes) of a transfer under way
 
@@ -65,6 +64,4 @@ class HeartbeatWanView:
     def queue_s(self, now: float) -> float:
         """What the router routes on at ``now``: the site's queued KV over its measured egress, as last reported."""
         self.advance(now)
-        return wan_queue_seconds(sum(r[WAN_QUEUED_KEY] for r in self.reported),
-                                 sum(r[WAN_EGRESS_KEY] for r in self.reported),
-                                 sum(r[WAN_TRANSFERS_KEY] for r in self.reported), self.policy)
+        return site_queue_seconds(self.reported, self.policy)
