@@ -99,3 +99,28 @@ def test_goodput_search_ends_when_every_rate_meets_the_slo():
 
     found = goodput(always_good, Slo(), hi=1.0, max_doublings=5)
     assert found == 2.0 ** 4 and max(rates) == 2.0 ** 4 and len(rates) == 6
+
+
+@pytest.mark.parametrize("per_flow_gbps", [10, 100])
+def test_streamed_export_overlaps_the_transfer_with_the_prefill(per_flow_gbps):
+    """P streams each prefill chunk's KV as the chunk ends: the transfer begins at the first chunk's end and
+    lands at the later of (that + the whole transfer) and (the prefill's end + the last chunk's transfer), plus
+    the setup; without streaming it begins at the prefill's end. The TTFT gap is exactly that difference."""
+    cm = from_hardware(FAST, 8, MODEL, 0.5, 0.7, 0.9)
+    prompt, chunk, kvb = 65_536, 16_384, 50_000
+    link = WanLink(bandwidth_gbps=100, per_flow_gbps=per_flow_gbps, setup_s=0.2, jitter_sigma=0.0,
+                   throughput_sigma=0.0)
+
+    def ttft(chunk_tokens):
+        return simulate(SimInput(
+            arrivals=np.zeros(1), prompt=np.full(1, prompt), cached=np.zeros(1, np.int64), output=np.full(1, 4),
+            prefill=cm, decode=cm, n_prefill=1, n_decode=1, kv_bytes_per_token=kvb, kind="naive", wan=link,
+            record_itl=False, prefill_chunk_tokens=chunk_tokens)).ttft[0]
+
+    def prefill_s(k):
+        return cm.p0 + cm.p_tok * k + cm.p_attn * k * k / 2
+    bps = per_flow_gbps * 1e9 / 8
+    whole = prefill_s(prompt) + prompt * kvb / bps
+    streamed = max(prefill_s(chunk) + prompt * kvb / bps, prefill_s(prompt) + chunk * kvb / bps)
+    assert streamed < whole
+    assert ttft(None) - ttft(chunk) == pytest.approx(whole - streamed, rel=1e-6)

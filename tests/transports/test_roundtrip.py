@@ -10,7 +10,7 @@ import torch
 
 from pdd.transports import IncompatiblePeerError, RemoteRejected, TransferCancelled, TransferTimeout, create_transport
 
-from .conftest import PLUGINS, Pair, layout_for, make_pool, snapshot
+from .conftest import PLUGINS, Pair, layout_for, make_pool, snapshot, unchanged
 
 
 def assert_moved(pair: Pair, src: list[int], dst: list[int], before: list[torch.Tensor]) -> None:
@@ -54,6 +54,39 @@ async def test_layer_by_layer_sends_complete_one_handle(plugin: str) -> None:
             assert (layer == 3) == handle.done()
         await handle
         assert_moved(pair, src, dst, before)
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+async def test_streamed_chunks_out_of_order_complete_one_import(plugin: str) -> None:
+    """A streamed export's chunks (a send per prefill chunk, overlapping) may land in any order: the import
+    completes once the last block is in, with every byte where it belongs."""
+    async with Pair(plugin, layout_for("bfloat16")) as pair:
+        src, dst = list(range(2, 14)), [30, 1, 7, 8, 9, 22, 23, 0, 5, 6, 17, 11]
+        chunks = [(src[i:i + 4], dst[i:i + 4]) for i in range(0, 12, 4)]
+        before = snapshot(pair.dst_pool)
+        handle = pair.receiver.expect("streamed", dst)
+        await pair.sender.send(pair.peer, "streamed", *chunks[2])  # the last chunk first
+        assert not handle.done()
+        await asyncio.gather(*(pair.sender.send(pair.peer, "streamed", s, d) for s, d in chunks[:2]))
+        got = await handle
+        assert got.bytes == 2 * pair.layout.num_layers * 12 * pair.layout.bytes_per_block_per_tensor
+        assert_moved(pair, src, dst, before)
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+async def test_a_lost_chunk_fails_the_import_and_a_late_one_writes_nothing(plugin: str) -> None:
+    """A chunk that never comes fails the import at its deadline (the receiver frees its reservation then); the
+    chunk arriving after that is refused, and the pool keeps the bytes it had."""
+    async with Pair(plugin, layout_for("float16")) as pair:
+        src, dst = list(range(8)), list(range(10, 18))
+        handle = pair.receiver.expect("lossy", dst, timeout_s=0.5)
+        await pair.sender.send(pair.peer, "lossy", src[:4], dst[:4])
+        with pytest.raises(TransferTimeout):
+            await handle
+        before = snapshot(pair.dst_pool)
+        with pytest.raises(RemoteRejected):
+            await pair.sender.send(pair.peer, "lossy", src[4:], dst[4:])
+        assert unchanged(pair.dst_pool, before)
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)

@@ -319,6 +319,7 @@ def sim_figures(p: Plan, setup: live.Setup, run: Run, rate: float, d: float,
 # processes
 # ---------------------------------------------------------------------------------------------
 CHUNK_TOKENS = emulate.CHUNK_TOKENS
+KV_LAG_MIN_CHUNKS = 4  # the KV-ready lag is judged on transfers of at least this many prefill chunks
 BLOCK_SIZE = 16  # the live engines' KV block: prefix caches hold whole blocks
 # keys of the engine's stats() (engine/core/paged_engine.py), as its /health gives them
 TOTAL_BLOCKS, FREE_BLOCKS, CACHED_BLOCKS = "total_blocks", "free_blocks", "cached_blocks"
@@ -591,6 +592,7 @@ class Bench:
         return {"rule": setup.rule, "repeats": reps, "goodput": good, "sim_goodput": sim_good,
                 "slo": (self.plan.slo.ttft_s * d, self.plan.slo.tpot_s * d),
                 "calibration_ttft_p50": reps[0]["ttft_s"]["p50"], "fast_path": live.fast_path(spans),
+                "kv_ready_lag": kv_ready_lag(spans, self.plan.link, CHUNK_TOKENS),
                 "profile": live.span_profile(spans), "pacing": pacing}
 
     def trace_rows(self, setup: live.Setup, reps: list[dict[str, Any]], spans: list[dict]) -> None:
@@ -605,6 +607,39 @@ class Bench:
             path = self.run_root / f"per_request_{setup.name}_{k}.json"
             path.write_text(json.dumps(rows, indent=0))
             rep["per_request_file"] = str(path)
+
+
+def kv_ready_lag(spans: list[dict], link: emulate.EmulatedLink, chunk_tokens: int,
+                 min_chunks: int = KV_LAG_MIN_CHUNKS) -> dict[str, Any]:
+    """Per WAN transfer to main decode: how long after P's prefill ended MD's KV was ready (its `kv.receive`
+    ended), over the physical bound of a streamed export: the link's per-transfer delay (latency + setup) plus
+    max(the last chunk's bytes at the link's rate, the whole transfer's minus the prefill's time). Over the
+    requests with at least ``min_chunks`` prefill chunks to send (P's uncached tokens past what MD holds).
+    The prefill's time is its span's (queueing at P included), so the bound is if anything too tight."""
+    by_rid: dict[str, dict[str, dict]] = {}
+    for s in spans:
+        name, rid = s.get("name"), (s.get("attributes") or {}).get("request_id")
+        if name in ("prefill", "kv.transfer.wan") or (name == "kv.receive" and s.get("service") == "pdd-main-decode"):
+            by_rid.setdefault(rid, {})[name] = s
+    bps, ratios = link.rate_bits / 8, []
+    for found in by_rid.values():
+        if len(found) < 3:
+            continue
+        pf, wan, ready = found["prefill"], found["kv.transfer.wan"], found["kv.receive"]
+        pa, wa = pf["attributes"], wan["attributes"]
+        prompt, p_hit, md_hit = pa["prompt_tokens"], pa.get("cached_tokens", 0), wa.get("cached_tokens_at_peer", 0)
+        nbytes = wa.get("bytes") or 0
+        if nbytes <= 0 or math.ceil((prompt - max(p_hit, md_hit)) / chunk_tokens) < min_chunks:
+            continue
+        computed = prompt - p_hit
+        last_chunk_tokens = computed - ((computed - 1) // chunk_tokens) * chunk_tokens
+        last_bytes = min(nbytes, last_chunk_tokens * nbytes / (prompt - md_hit))
+        prefill_s = (pf["end_ns"] - pf["start_ns"]) / 1e9
+        bound = link.delay_s + max(last_bytes / bps, nbytes / bps - prefill_s)
+        ratios.append((ready["end_ns"] - pf["end_ns"]) / 1e9 / bound)
+    return {"p50": round(float(np.percentile(ratios, 50)), 3) if ratios else None,
+            "p90": round(float(np.percentile(ratios, 90)), 3) if ratios else None, "requests": len(ratios),
+            "min_chunks": min_chunks, "chunk_tokens": chunk_tokens}
 
 
 def trace_hits_line(rep: dict[str, Any]) -> str:
@@ -729,6 +764,7 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
                     "attainment": p.slo.attainment}
         r["chips"] = SYSTEM_OF[name]
         r["pacing"] = setup["pacing"]
+        r["kv_ready_lag_over_bound"] = setup["kv_ready_lag"]
         r["overrun_share"] = setup["pacing"]["overrun_share"]
         r["sim_goodput_rps"] = round(setup["sim_goodput"].value, 4)
         r["sim_goodput_search"] = {"note": setup["sim_goodput"].note, "probes": setup["sim_goodput"].probes}
@@ -764,6 +800,9 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
         missing = sum(int((r.arrays.prompt - r.md_cached).sum()) for r in runs)
         report["workload_md_hit"] = round(1 - missing / prompt, 4) if prompt else None
         report["wan_bytes_ratio_if_only_missing_kv"] = round(prompt / missing, 3) if missing else None
+        lag = s["pdd"]["kv_ready_lag"]  # the streamed export's goal is PDD's (every setup streams alike)
+        report["kv_ready_lag_over_bound_p50"], report["kv_ready_lag_over_bound_p90"] = lag["p50"], lag["p90"]
+        report["kv_ready_lag_over_bound_requests"] = lag["requests"]
         gn, gp = s["naive"]["sim_goodput"].value, s["pdd"]["sim_goodput"].value
         report["sim_goodput_gain_vs_naive"] = round(gp / gn - 1, 4) if gn else None
     return report

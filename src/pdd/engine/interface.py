@@ -126,6 +126,13 @@ class EngineBackend(Protocol):
         nothing. Raises ``UnknownRequestError``, or ``EngineInputError`` before its prefill is done."""
         ...
 
+    def computed_prompt_blocks(self, rid: str) -> list[int]:
+        """The leading blocks of ``rid``'s prompt whose KV is final (read these to stream an export while later
+        prefill chunks compute): every full block computed so far, a cached prefix included, and all of them
+        once the prefill is done; ``[]`` while queued. A backend that cannot tell returns ``[]`` until the prefill
+        is done. Changes nothing. Raises ``UnknownRequestError``."""
+        ...
+
     def release(self, rid: str) -> None:
         """Unpin a request held with ``hold_kv`` (export done or abandoned): its KV goes to the prefix cache
         when the engine caches finished requests, else is freed; ``rid`` leaves the engine.

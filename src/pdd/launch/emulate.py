@@ -24,11 +24,12 @@ from pdd.engine.emulated_backend import profile as emulation
 from pdd.engine.emulated_backend.plugin import PLUGIN as EMULATED_PLUGIN
 from pdd.engine.emulated_backend.settings import EmulationSettings
 from pdd.shared.config import ConfigError
+from pdd.shared.cost_model import DATACENTER_PREFILL_CHUNK_TOKENS
 from pdd.shared.roles import Role
 
 BACKEND = EMULATED_PLUGIN.name  # the engine backend every role runs
 SYSTEM = "pdd"  # the scenario's system `pdd up` emulates: P and RLD on site A's chips, MD on site B's
-CHUNK_TOKENS = 16384  # tokens one step prefills (vLLM-class chunked prefill on a datacenter GPU)
+CHUNK_TOKENS = DATACENTER_PREFILL_CHUNK_TOKENS  # tokens one step prefills, as the simulator's
 _SPLIT_ROLE = {Role.PREFILL: "prefill", Role.RELAY: "relay", Role.MAIN_DECODE: "decode"}
 
 

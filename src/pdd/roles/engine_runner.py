@@ -2,7 +2,8 @@
 
 All engine calls run on one dedicated worker thread (the engine is not thread-safe and need not
 be). A loop task steps the engine while it has work and hands each StepOutput to the callback
-registered for its request. Control calls (abort, extend, stop) queue on the same thread, so
+registered for its request, and to a request's block watcher the prompt blocks whose KV is final (P streams
+its export from them while later chunks compute). Control calls (abort, extend, stop) queue on the same thread, so
 they land between two steps, never during one.
 """
 
@@ -22,6 +23,7 @@ log = get_logger("pdd.engine_runner")
 T = TypeVar("T")
 
 OutputCallback = Callable[[StepOutput], None]
+BlocksCallback = Callable[[list[int]], None]
 
 
 class EngineRunner:
@@ -29,6 +31,7 @@ class EngineRunner:
         self.engine = engine
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._callbacks: dict[str, OutputCallback] = {}
+        self._block_watchers: dict[str, BlocksCallback] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
@@ -62,8 +65,14 @@ class EngineRunner:
         self._callbacks[rid] = callback
         self.wake()
 
+    def watch_blocks(self, rid: str, callback: BlocksCallback) -> None:
+        """After every step, ``callback`` gets ``rid``'s prompt blocks whose KV is final so far
+        (``computed_prompt_blocks``), until ``unwatch``."""
+        self._block_watchers[rid] = callback
+
     def unwatch(self, rid: str) -> None:
         self._callbacks.pop(rid, None)
+        self._block_watchers.pop(rid, None)
 
     def wake(self) -> None:
         self._wake.set()
@@ -76,12 +85,19 @@ class EngineRunner:
                 await self._wake.wait()
                 continue
             try:
-                outputs = await self.call(self.engine.step)
+                outputs, blocks = await self.call(self._step)
             except Exception:
                 log.exception("engine_step_failed")
                 await asyncio.sleep(0.05)
                 continue
             self.steps += 1
+            for rid, computed in blocks.items():  # before the outputs: a finished prefill's blocks come first
+                watcher = self._block_watchers.get(rid)
+                if watcher is not None:
+                    try:
+                        watcher(computed)
+                    except Exception:
+                        log.exception("blocks_callback_failed", request_id=rid)
             for out in outputs:
                 callback = self._callbacks.get(out.rid)
                 if callback is None:
@@ -93,3 +109,10 @@ class EngineRunner:
                 if out.finished:
                     self._callbacks.pop(out.rid, None)
             await asyncio.sleep(0)  # let bus handlers run between steps
+
+    def _step(self) -> tuple[list[StepOutput], dict[str, list[int]]]:
+        """One engine step, then the watched requests' final prompt blocks (on the engine thread, between steps)."""
+        outputs = self.engine.step()
+        blocks = {rid: self.engine.computed_prompt_blocks(rid) for rid in list(self._block_watchers)
+                  if self.engine.has_request(rid)}
+        return outputs, blocks

@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from pdd.engine import EngineInputError, StepOutput
 from pdd.roles.engine_service import EngineService, sampling_params
+from pdd.roles.kv_export import LinkBusy, PromptExport
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
@@ -138,29 +139,35 @@ class PrefillService(EngineService):
     async def _run(self, req: SubmitRequest) -> None:
         rid = req.request_id
         held = False
+        export = PromptExport(-(-len(req.prompt_ids) // self.engine.block_size))
+        first: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        plans: dict[str, asyncio.Task[ImportPlan]] = {}
+        sends: list[asyncio.Task] = []
         try:
             with tracer.start_as_current_span("prefill", attributes={"request_id": rid, "pipeline": req.pipeline,
                                                                      "prompt_tokens": len(req.prompt_ids)}) as span:
                 dests = self._destinations(req)
                 plans = {d.instance_id: asyncio.create_task(self._prepare(req, d)) for d in dests}
+                # each destination's KV streams from the first finished chunk on, while later chunks compute
+                sends = [asyncio.create_task(self._transfer(req, d, plans[d.instance_id], export, first))
+                         for d in dests]
+                self.runner.watch_blocks(rid, export.update)
                 cached = await self.runner.call(self.engine.cached_prefix_len, req.prompt_ids)
-                first, first_logprobs, finish_reason = await self._prefill(req)
+                token, first_logprobs, finish_reason = await self._prefill(req)
                 held = True
                 span.set_attribute("cached_tokens", cached)
             await self.bus.publish(req.events_subject, PrefillResult(
-                request_id=rid, instance_id=self.instance_id, first_token=first, prompt_tokens=len(req.prompt_ids),
+                request_id=rid, instance_id=self.instance_id, first_token=token, prompt_tokens=len(req.prompt_ids),
                 cached_tokens=cached, finish_reason=finish_reason, first_logprobs=first_logprobs))
             if finish_reason is not None or not dests:
-                for task in plans.values():
-                    task.cancel()
                 if dests:
                     await self.bus.publish(Subjects.CANCEL, Cancel(rid, reason="finished at prefill"))
                 return
-            blocks = await self.runner.call(self.engine.request_blocks, rid)
-            ready_plans = [await plans[d.instance_id] for d in dests]
-            results = await asyncio.gather(
-                *(self._transfer(req, d, plan, blocks, first) for d, plan in zip(dests, ready_plans)),
-                return_exceptions=True)
+            export.update(await self.runner.call(self.engine.request_blocks, rid), done=True)
+            first.set_result(token)
+            for plan in plans.values():
+                await plan  # a decoder that could not be reached fails the request as a bus error
+            results = await asyncio.gather(*sends, return_exceptions=True)
             failed = [(d, r) for d, r in zip(dests, results) if isinstance(r, BaseException)]
             if failed:
                 await self._transfer_failed(req, dests, failed)
@@ -177,6 +184,9 @@ class PrefillService(EngineService):
             await self.send_error(req.events_subject, rid, "internal", f"prefill failed: {exc}")
         finally:
             self.runner.unwatch(rid)
+            for task in [*sends, *plans.values()]:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)  # no send may read the blocks once they are freed
             if held:
                 await self.runner.call(self._release, rid)  # P's radix cache keeps the prompt
             else:
@@ -243,52 +253,92 @@ class PrefillService(EngineService):
         assert isinstance(plan, ImportPlan)
         return plan
 
-    def _count_sent(self, link: KVLink, planned: int, nbytes: int, seconds: float, span: trace.Span) -> None:
-        """One send's bytes, whether it completed or not, in the link's counter, the span and P's WAN backlog."""
+    def _count_sent(self, link: KVLink, nbytes: int, seconds: float, span: trace.Span) -> None:
+        """A transfer's bytes, whether it completed or not, in the link's counter and the span."""
         gbps = nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
         span.set_attributes({"bytes": nbytes, "seconds": seconds, "gbps": gbps})
         if link == KVLink.WAN:
-            self.wan_backlog.finished(planned, nbytes)
             metrics.WAN_BYTES.labels(self.instance_id).inc(nbytes)
         else:
             metrics.FAST_BYTES.labels(self.instance_id).inc(nbytes)
 
-    async def _transfer(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, blocks: list[int],
-                        first: int) -> None:
-        span_name = f"kv.transfer.{dest.link}"
+    async def _transfer(self, req: SubmitRequest, dest: Destination, plan_task: asyncio.Task[ImportPlan],
+                        export: PromptExport, first: asyncio.Future[int]) -> None:
+        """Stream one destination's missing blocks as the prefill finishes them, then announce them (KVReady).
+
+        Each chunk's blocks go out as their own send, at once: the sends overlap on the link (one setup and one
+        delay for the whole transfer, not one per chunk), and the receiver commits when the last block lands."""
+        plan = await plan_task
         skip = plan.cached_tokens // self.engine.block_size
-        src = blocks[skip:]
-        if len(src) != len(plan.dst_blocks):
-            raise RuntimeError(f"{dest.instance_id} planned {len(plan.dst_blocks)} blocks, P has {len(src)} to send")
-        with tracer.start_as_current_span(span_name, attributes={
-            "request_id": req.request_id, "peer": dest.instance_id, "blocks": len(src),
+        if export.total_blocks - skip != len(plan.dst_blocks):
+            raise RuntimeError(f"{dest.instance_id} planned {len(plan.dst_blocks)} blocks, "
+                               f"P has {export.total_blocks - skip} to send")
+        with tracer.start_as_current_span(f"kv.transfer.{dest.link}", attributes={
+            "request_id": req.request_id, "peer": dest.instance_id, "blocks": len(plan.dst_blocks),
             "cached_tokens_at_peer": plan.cached_tokens,
         }) as span:
-            nbytes, seconds = 0, 0.0
-            if src:
-                # held for this send: other transfers share the link, and none may close it under this one
-                peer = await self.links.hold(dest.link, plan.descriptor)
-                planned = len(src) * self.engine.block_size * self.engine.layout.bytes_per_token
-                if dest.link == KVLink.WAN:
-                    self.wan_backlog.started(planned)
-                progress = SendProgress()
-                t0 = time.monotonic()
-                try:
-                    stats = await self.transports[dest.link].send(peer, req.request_id, src, plan.dst_blocks,
-                                                                  trace_context=inject_headers(), progress=progress)
-                    nbytes = stats.bytes
-                except PeerLostError:  # this link is gone: the next transfer opens a new one
-                    await self.links.forget(dest.link, plan.descriptor, peer)
-                    raise
-                finally:
-                    await self.links.release(dest.link, peer)
-                    seconds = time.monotonic() - t0
-                    # failed or cancelled (the relay finished first): what crossed until then still crossed
-                    nbytes = nbytes or progress.crossed
-                    self._count_sent(dest.link, planned, nbytes, seconds, span)
+            busy, progress, nbytes = LinkBusy(), SendProgress(), 0
+            if plan.dst_blocks:
+                nbytes = await self._stream_blocks(req, dest, plan, skip, export, busy, progress, span)
         if dest.link == KVLink.WAN:
-            metrics.WAN_TRANSFER.observe(seconds)
+            metrics.WAN_TRANSFER.observe(busy.seconds)
+        token = await first
         self._sent[(req.request_id, dest.instance_id)] = time.monotonic()
         await self.bus.publish(Subjects.instance(dest.instance_id, "kv_ready"), KVReady(
-            request_id=req.request_id, instance_id=self.instance_id, first_token=first, bytes_sent=nbytes,
-            seconds=seconds))
+            request_id=req.request_id, instance_id=self.instance_id, first_token=token, bytes_sent=nbytes,
+            seconds=busy.seconds))
+
+    async def _stream_blocks(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, skip: int,
+                             export: PromptExport, busy: LinkBusy, progress: SendProgress, span: trace.Span) -> int:
+        """Send blocks [skip:] to the planned destination blocks, a send per batch of newly final blocks; returns
+        the bytes acknowledged. A failed send fails the transfer (the others are cancelled at a frame boundary)."""
+        transport, wake = self.transports[dest.link], export.listen()
+        # held for this transfer: other transfers share the link, and none may close it under this one
+        peer = await self.links.hold(dest.link, plan.descriptor)
+        planned = len(plan.dst_blocks) * self.engine.block_size * self.engine.layout.bytes_per_token
+        sends: list[asyncio.Task] = []
+        sent, nbytes, backlogged = skip, 0, False
+
+        async def send(src: list[int], dst: list[int]) -> int:
+            busy.begin()
+            try:
+                stats = await transport.send(peer, req.request_id, src, dst, trace_context=inject_headers(),
+                                             progress=progress)
+                return stats.bytes
+            finally:
+                busy.end()
+                wake.set()
+        try:
+            while sent < export.total_blocks or not export.done:
+                wake.clear()
+                for task in sends:
+                    if task.done() and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()
+                blocks = export.ready()
+                if export.done and not backlogged and dest.link == KVLink.WAN:
+                    # P's WAN backlog counts a transfer from its prefill's end, when it is all there to send, as
+                    # the simulator's view of it does (sim/wan_view.py)
+                    self.wan_backlog.started(planned)
+                    backlogged = True
+                if len(blocks) > sent:
+                    dst = plan.dst_blocks[sent - skip:len(blocks) - skip]
+                    sends.append(asyncio.create_task(send(blocks[sent:], dst)))
+                    sent = len(blocks)
+                else:
+                    await wake.wait()
+            nbytes = sum(await asyncio.gather(*sends))
+        except PeerLostError:  # this link is gone: the next transfer opens a new one
+            await self.links.forget(dest.link, plan.descriptor, peer)
+            raise
+        finally:
+            for task in sends:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+            await self.links.release(dest.link, peer)
+            # failed or cancelled (the relay finished first): what crossed until then still crossed
+            nbytes = nbytes or progress.crossed
+            span.set_attribute("sends", len(sends))
+            if backlogged:
+                self.wan_backlog.finished(planned, nbytes)
+            self._count_sent(dest.link, nbytes, busy.seconds, span)
+        return nbytes

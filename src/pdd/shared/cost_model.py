@@ -61,6 +61,10 @@ class ModelSpec:
         return (1.0 - self.expert_weight_fraction) + self.expert_weight_fraction * (1.0 - p_untouched)
 
 
+# Tokens one prefill step computes on a datacenter accelerator (vLLM-class chunked prefill): the emulated fleet's
+# chunk (launch/emulate.py) and the simulator's, whose streamed KV export sends each chunk's blocks as it ends.
+DATACENTER_PREFILL_CHUNK_TOKENS = 16384
+
 
 @dataclass(frozen=True)
 class CostModel:

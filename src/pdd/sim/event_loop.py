@@ -29,7 +29,7 @@ import numpy as np
 
 from pdd.scenarios import WanLink
 from pdd.shared.config import ModelConfig, ServiceConfig
-from pdd.shared.cost_model import CostModel
+from pdd.shared.cost_model import DATACENTER_PREFILL_CHUNK_TOKENS, CostModel
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.policy import PolicyConfig, RouteInputs, choose_handoff_mode, choose_pipeline, instance_cost
 
@@ -93,6 +93,9 @@ class SimInput:
     load_norm_seqs: int = ModelConfig.model_fields["max_num_seqs"].default
     # how often each P reports its WAN backlog: the router's WAN-saturated rule reads the last report (wan_view.py)
     heartbeat_s: float = ServiceConfig.model_fields["heartbeat_ms"].default / 1000
+    # P streams its KV: each prefill chunk's blocks leave as the chunk ends (roles/kv_export.py); None: the whole
+    # prompt's KV leaves at the prefill's end
+    prefill_chunk_tokens: int | None = DATACENTER_PREFILL_CHUNK_TOKENS
 
 
 @dataclass
@@ -282,13 +285,15 @@ class _Run:
 
 def _transfer_ops(run: _Run):
     """Arrivals, request ends and the WAN/RDMA transfers, as closures over the run's lists (cell reads are
-    as fast as locals). Returns (ended, arrive, wan_transfer, cancel_wan_transfer, rdma_time)."""
+    as fast as locals). Returns (ended, arrive, wan_transfer, cancel_wan_transfer, rdma_ready)."""
     events, seq, waiters, arr_l, svc_l, prefill_free = (
         run.events, run.seq, run.waiters, run.arr_l, run.svc_l, run.prefill_free)
     wan, jit_l, tput_l, wan_flows, wan_sending, wan_bytes = (
         run.wan, run.jit_l, run.tput_l, run.wan_flows, run.wan_sending, run.wan_bytes)
     wan_view, req_p = run.wan_view, run.req_p
     flow_bps, rdma_bps, rdma_setup_s = run.flow_bps, run.rdma_bps, run.inp.rdma_setup_s
+    prompt_l, cached_l, noise_l, kvb, pc = run.prompt_l, run.cached_l, run.noise_l, run.kvb, run.inp.prefill
+    chunk = run.inp.prefill_chunk_tokens
     heappush, heappop = heapq.heappush, heapq.heappop
 
     def ended(rid: int, now: float) -> None:
@@ -308,13 +313,33 @@ def _transfer_ops(run: _Run):
     if run.chains:
         arrive = _cached_arrive(run)
 
+    def streamed(rid: int, nbytes: float, ready: float) -> tuple[float, float]:
+        """(when the first chunk with bytes to send ends, the bytes of the last chunk) of a prefill that ended at
+        ``ready``: P streams each chunk's blocks as it ends, so a transfer may begin before ``ready`` but not end
+        before the last chunk's bytes cross after it. The bytes to send are the prompt's last ``nbytes``; a
+        chunk's end follows the cost model's prefill time of the tokens up to it (``p0`` is paid once, first)."""
+        hit = cached_l[rid]
+        new = prompt_l[rid] - hit
+        if chunk is None or new <= chunk or kvb <= 0:
+            return ready, nbytes
+        skip = max(0.0, new - nbytes / kvb)  # leading computed tokens the receiver holds already
+
+        def prefill_s(k: float) -> float:
+            return (pc.p0 + pc.p_tok * k + pc.p_attn * k * (hit + k / 2)) * noise_l[rid]
+        first_end = min(new, (int(skip) // chunk + 1) * chunk)
+        last = new - ((new - 1) // chunk) * chunk
+        return ready - prefill_s(new) + prefill_s(first_end), min(nbytes, last * kvb)
+
     def wan_transfer(rid: int, nbytes: float, ready: float) -> float:
-        """The bytes hold a transfer slot of the line; the per-transfer setup (handshake, slow start: round
-        trips, not bandwidth) does not, so other transfers' bytes cross meanwhile. As the live emulation's shaper
-        does (transports/shaper.py: the link busy for the bytes, the setup a delay)."""
+        """The bytes hold a transfer slot of the line from the first streamed chunk on; the per-transfer setup
+        (handshake, slow start: round trips, not bandwidth) does not, so other transfers' bytes cross meanwhile.
+        As the live emulation's shaper does (transports/shaper.py: the link busy for the bytes, the setup a
+        delay). ``ready``: the prefill's end (now: the slot is booked back to the first chunk's end when free)."""
         t_free = heappop(wan_flows)
-        begin = ready if ready > t_free else t_free
-        data_end = begin + nbytes / flow_bps * tput_l[rid]
+        first_ready, tail = streamed(rid, nbytes, ready)
+        begin = first_ready if first_ready > t_free else t_free
+        bps = flow_bps / tput_l[rid]
+        data_end = max(begin + nbytes / bps, ready + tail / bps)
         heappush(wan_flows, data_end)
         wan_bytes[0] += nbytes
         wan_sending[rid] = (begin, data_end, nbytes)
@@ -335,10 +360,12 @@ def _transfer_ops(run: _Run):
         if wan_view is not None:
             wan_view.finished(rid, now, nbytes - unsent)
 
-    def rdma_time(nbytes: float) -> float:
-        return rdma_setup_s + nbytes / rdma_bps
+    def rdma_ready(rid: int, nbytes: float, ready: float) -> float:
+        """When KV streamed over the in-site link (rdma) has landed, for a prefill that ended at ``ready``."""
+        first_ready, tail = streamed(rid, nbytes, ready)
+        return rdma_setup_s + max(first_ready + nbytes / rdma_bps, ready + tail / rdma_bps)
 
-    return ended, arrive, wan_transfer, cancel_wan_transfer, rdma_time
+    return ended, arrive, wan_transfer, cancel_wan_transfer, rdma_ready
 
 
 def _cached_arrive(run: _Run):
@@ -569,7 +596,7 @@ def _loop(run: _Run) -> tuple[int, float]:
     """The event loop: everything it touches per event is a local or a closure cell (the speed is in
     that). Returns (events handled, WAN bytes the requests would move without any decode-side cache)."""
     inp, pol, kvb, wan = run.inp, run.inp.policy, run.kvb, run.wan
-    ended, arrive, wan_transfer, _, rdma_time = xfer = _transfer_ops(run)
+    ended, arrive, wan_transfer, _, rdma_ready = xfer = _transfer_ops(run)
     set_reserved, schedule, join, remove, release_check, admit, complete, pick_md = _decode_ops(run, ended, xfer[3])
     events, seq, arr_l, on_time, insts, wan_bytes, stall_v = (
         run.events, run.seq, run.arr_l, run.on_time, run.insts, run.wan_bytes, run.stall_v)
@@ -623,7 +650,7 @@ def _loop(run: _Run) -> tuple[int, float]:
                 first[rid] = now
             full = prompt_l[rid] * kvb
             if kind_sys == "local":
-                heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 0))
+                heappush(events, (rdma_ready(rid, full, now), next(seq), _KV_READY, rid, 0))
                 continue
             wan_naive += full
             if kind_sys == "naive":
@@ -633,9 +660,9 @@ def _loop(run: _Run) -> tuple[int, float]:
             if code == P_MD:
                 heappush(events, (wan_transfer(rid, route_bytes[rid], now), next(seq), _KV_READY, rid, 0))
             elif code == P_RLD:
-                heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 1))
+                heappush(events, (rdma_ready(rid, full, now), next(seq), _KV_READY, rid, 1))
             else:
-                heappush(events, (now + rdma_time(full), next(seq), _KV_READY, rid, 1))
+                heappush(events, (rdma_ready(rid, full, now), next(seq), _KV_READY, rid, 1))
                 heappush(events, (wan_transfer(rid, route_bytes[rid], now), next(seq), _MD_READY, rid, 0))
         elif kind == _KV_READY:
             if b == 0 and wan_view is not None:  # MD's KV over the WAN landed: P's transfer ends

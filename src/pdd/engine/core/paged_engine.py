@@ -187,6 +187,18 @@ class PagedEngine(abc.ABC):
             raise EngineInputError(f"request {rid!r} has not finished its prefill")
         return list(req.block_table[: self.scheduler.blocks_for(req.prompt_len)])
 
+    def computed_prompt_blocks(self, rid: str) -> list[int]:
+        """The leading blocks of the prompt whose KV is final, for an export that streams while the prefill runs:
+        every full block computed so far (a cached prefix included), all of them once the prefill is done.
+        Safe to read while later chunks compute: a prefill's blocks are all allocated at admission, and P's
+        requests (one output token) never decode, so nothing preempts them (an exporter checks the ids stay)."""
+        req = self._get(rid)
+        if req.status is Status.WAITING:
+            return []
+        done = min(req.num_computed, req.prompt_len)
+        n = self.scheduler.blocks_for(done) if done == req.prompt_len else done // self.block_size
+        return list(req.block_table[:n])
+
     def release(self, rid: str) -> None:
         """Unpin a held request: store its KV in the radix cache (if enabled) and free it."""
         req = self._get(rid)

@@ -347,6 +347,14 @@ class VllmEngine:
                                    f"({entry.export_failed})")
         return list(entry.req.block_table[: self.staging.blocks_for(entry.req.prompt_len)])
 
+    def computed_prompt_blocks(self, rid: str) -> list[int]:
+        """Nothing until the prefill is done, then every block: the connector saves the prompt's KV into the
+        staging pool when vLLM finishes the request, not per scheduler step (an export here does not stream)."""
+        entry = self._get(rid)
+        if entry.req.status is not Status.HELD or entry.export_failed:
+            return []
+        return self.request_blocks(rid)
+
     def release(self, rid: str) -> None:
         entry = self._get(rid)
         entry.plan.saved_through = min(entry.plan.saved_through, entry.req.prompt_len)

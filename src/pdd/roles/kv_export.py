@@ -1,0 +1,76 @@
+"""P's streamed export: the prompt's blocks whose KV is final, as the prefill computes them chunk by chunk.
+
+P sends each destination the blocks a prefill chunk finished while later chunks compute (Mooncake and
+PrfaaS stream layer by layer; PDD streams by chunk, the unit its engines compute in). ``PromptExport`` is
+what the engine runner's block watcher fills after every step and what each destination's sender waits on;
+``LinkBusy`` measures how long a destination's link carried the request (the sends of several chunks
+overlap, and the waits for the prefill between them are not link time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class ExportMoved(RuntimeError):
+    """The prompt's blocks changed under a streamed export (the request was preempted): what was sent may be
+    overwritten, so the transfer fails and the fallback runs."""
+
+
+class PromptExport:
+    """The prompt blocks whose KV is final so far; ``done`` once the prefill has finished."""
+
+    def __init__(self, total_blocks: int) -> None:
+        self.total_blocks = total_blocks
+        self.blocks: list[int] = []
+        self.done = False
+        self.error: Exception | None = None
+        self._listeners: list[asyncio.Event] = []
+
+    def listen(self) -> asyncio.Event:
+        """An event set at every change (a sender clears it before it reads ``ready``, then waits on it)."""
+        event = asyncio.Event()
+        self._listeners.append(event)
+        return event
+
+    def update(self, blocks: list[int], done: bool = False) -> None:
+        """More blocks are final (or, ``done``, all of them). Blocks already announced must keep their ids."""
+        if blocks[: len(self.blocks)] != self.blocks:
+            self.error = self.error or ExportMoved("the prompt's KV blocks moved while they were being sent")
+        elif len(blocks) > len(self.blocks):
+            self.blocks = list(blocks)
+        if done and self.error is None and len(self.blocks) != self.total_blocks:
+            self.error = ExportMoved(f"the prefill ended with {len(self.blocks)} blocks, {self.total_blocks} expected")
+        self.done = self.done or done
+        self._notify()
+
+    def ready(self) -> list[int]:
+        """The final blocks so far; raises the export's error."""
+        if self.error is not None:
+            raise self.error
+        return self.blocks
+
+    def _notify(self) -> None:
+        for event in self._listeners:
+            event.set()
+
+
+class LinkBusy:
+    """Seconds during which at least one of a destination's sends was in flight: the transfer's own time, for
+    its rate (MD's estimate of the WAN) and its span, without the waits for the prefill between chunks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._in_flight = 0
+        self._since = 0.0
+
+    def begin(self) -> None:
+        if self._in_flight == 0:
+            self._since = time.monotonic()
+        self._in_flight += 1
+
+    def end(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self.seconds += time.monotonic() - self._since

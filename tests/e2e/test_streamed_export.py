@@ -1,0 +1,82 @@
+"""P streams a prompt's KV while its prefill runs (roles/kv_export.py): each prefill chunk's finished blocks go
+to MD and to the relay at once, while later chunks compute.
+
+Real processes (router, P, RLD, MD), real NATS, zmq WAN behind the shaper's delay; the torch engine prefills in
+chunks of 512 tokens (its default), so a prompt of 900 tokens is two chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import httpx
+import pytest
+
+from pdd.shared.pipelines import Pipeline
+from tests.e2e.test_pipelines import body_for, engines_idle, wait_for_spans
+
+PROMPT_TOKENS = 900  # two prefill chunks of the torch engine's 512
+ATTEMPTS = 3  # the first chunk goes out at once only if MD's import plan is back by then (a NATS round trip)
+
+
+def long_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 380) for _ in range(PROMPT_TOKENS)]
+
+
+def spans_of(system, rid: str) -> dict[str, dict]:
+    """The request's prefill and WAN transfer spans, by name."""
+    spans = {}
+    for name in ("prefill", "kv.transfer.wan"):
+        spans[name] = wait_for_spans(system, lambda s, n=name: s["name"] == n
+                                     and s["attributes"].get("request_id") == rid)[-1]
+    return spans
+
+
+@pytest.mark.parametrize("pipeline", [Pipeline.P_MD, Pipeline.P_RLD_MD])
+def test_kv_streams_while_the_prefill_runs(system, reference, pipeline):
+    """The WAN transfer starts before the prefill ends, in one send per chunk, and the answer is one engine's."""
+    from pdd.engine import SamplingParams
+
+    for attempt in range(ATTEMPTS):
+        prompt = long_prompt(seed=attempt + 10 * list(Pipeline).index(pipeline))
+        body = body_for(prompt, pipeline, ignore_eos=True)
+        body["max_tokens"] = 24
+        r = httpx.post(system.base_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        want = reference.generate([prompt], SamplingParams(ignore_eos=True), max_new_tokens=24)[0]
+        assert out["pdd"]["token_ids"] == want
+        spans = spans_of(system, out["id"])
+        wan, prefill = spans["kv.transfer.wan"], spans["prefill"]
+        assert wan["attributes"]["blocks"] == -(-PROMPT_TOKENS // 16)  # MD had none of this prompt
+        if wan["attributes"]["sends"] >= 2 and wan["start_ns"] < prefill["end_ns"]:
+            return
+    pytest.fail(f"the KV never streamed: last transfer {wan['attributes']}, {wan['start_ns']=} "
+                f"{prefill['end_ns']=}")
+
+
+def test_hanging_up_mid_transfer_leaves_no_kv_anywhere(system):
+    """Clients that hang up while P prefills and streams (at several moments) leave no block held on any side."""
+    async def hang_up_after(delay_s: float, seed: int) -> None:
+        body = body_for(long_prompt(seed), Pipeline.P_RLD_MD, ignore_eos=True)
+        async with httpx.AsyncClient(timeout=60) as client:
+            try:
+                await asyncio.wait_for(client.post(system.base_url + "/v1/completions", json=body), delay_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run() -> None:
+        await asyncio.gather(*(hang_up_after(d, 100 + i) for i, d in enumerate((0.02, 0.05, 0.1, 0.2, 0.4))))
+    asyncio.run(run())
+    deadline = time.monotonic() + 20
+    while True:
+        state = engines_idle(system)
+        busy = {k: v for k, v in state.items()
+                if v["running"] or v["waiting"] or v["free_blocks"] + v["cached_blocks"] != v["total_blocks"]}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"KV still held after the clients hung up: {busy}"
+        time.sleep(0.2)
