@@ -121,27 +121,30 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
 
 def test_kv_ready_lag_is_judged_against_the_streamed_exports_bound() -> None:
     """MD ready minus P's prefill end, over delay + max(last chunk's transfer, transfer - prefill), on transfers of
-    at least 4 chunks: a 5-chunk prompt (MD holds none) whose transfer outlasts its prefill, and one that
-    a prefill cache hit leaves with 2 chunks to send (not judged)."""
+    at least 4 chunks' worth of bytes: a 5-chunk prompt (MD holds none) whose transfer outlasts its prefill, and one of
+    which MD holds 3 chunks (not judged)."""
     from pdd.launch.emulate import EmulatedLink
 
     link = EmulatedLink(rate_bits=8e6, delay_s=0.2, why="test")  # 1 MB/s
 
-    def spans(rid, prompt, p_hit, nbytes, prefill_s, ready_after_s):
+    def spans(rid, prompt, md_hit, nbytes, prefill_s, ready_after_s):
         end = 10 * 10**9
         return [
             {"name": "prefill", "service": "pdd-prefill", "start_ns": end - int(prefill_s * 1e9), "end_ns": end,
-             "attributes": {"request_id": rid, "prompt_tokens": prompt, "cached_tokens": p_hit}},
+             "attributes": {"request_id": rid, "prompt_tokens": prompt, "cached_tokens": 0}},
             {"name": "kv.transfer.wan", "service": "pdd-prefill", "start_ns": end - 10**9, "end_ns": end + 1,
-             "attributes": {"request_id": rid, "bytes": nbytes, "blocks": 10, "cached_tokens_at_peer": 0}},
+             "attributes": {"request_id": rid, "bytes": nbytes, "blocks": 10, "cached_tokens_at_peer": md_hit}},
             {"name": "kv.receive", "service": "pdd-main-decode", "start_ns": end, "end_ns": end + int(ready_after_s * 1e9),
              "attributes": {"request_id": rid}},
         ]
     # 5 x 100-token chunks, 10 kB a token: 5 MB, 5 s at 1 MB/s; prefill 2 s -> bound 0.2 + max(1, 3) = 3.2 s
     judged = spans("a", 500, 0, 5_000_000, 2.0, 4.0)
-    skipped = spans("b", 500, 300, 5_000_000, 2.0, 9.0)
+    skipped = spans("b", 500, 300, 2_000_000, 2.0, 9.0)
     lag = em.kv_ready_lag(judged + skipped, link, chunk_tokens=100)
     assert lag["requests"] == 1 and lag["p50"] == pytest.approx(4.0 / 3.2, abs=1e-3)
+    assert lag["isolated"]["requests"] == 0  # the two transfers overlap: each may have queued behind the other
+    alone = em.kv_ready_lag(judged, link, chunk_tokens=100)["isolated"]
+    assert alone["requests"] == 1 and alone["p50"] == lag["p50"]
 
 
 # ---- --trace: a Mooncake trace replayed live beside the simulator with block chains ----------------------------
