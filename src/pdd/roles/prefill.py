@@ -184,13 +184,16 @@ class PrefillService(EngineService):
             await self.send_error(req.events_subject, rid, "internal", f"prefill failed: {exc}")
         finally:
             self.runner.unwatch(rid)
-            for task in [*sends, *plans.values()]:
-                task.cancel()
-            await asyncio.gather(*sends, return_exceptions=True)  # no send may read the blocks once they are freed
-            if held:
-                await self.runner.call(self._release, rid)  # P's radix cache keeps the prompt
-            else:
-                await self.runner.call(self.engine.abort, rid)
+            # shielded: a Cancel arriving while this runs (the router's, once the request ended) must not skip
+            # the release, or the prompt's blocks stay held forever
+            await asyncio.shield(self._end_export(rid, [*sends, *plans.values()], held))
+
+    async def _end_export(self, rid: str, tasks: list[asyncio.Task], held: bool) -> None:
+        """Stop the request's sends, then free its KV: into P's radix cache once prefilled, else dropped."""
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # no send may read the blocks once they are freed
+        await self.runner.call(self._release if held else self.engine.abort, rid)
 
     async def _transfer_failed(self, req: SubmitRequest, dests: list[Destination],
                                failed: list[tuple[Destination, BaseException]]) -> None:
