@@ -209,6 +209,23 @@ class NatsConfig(_Strict):
 class TransportConfig(_Strict):
     name: str = Field(..., description="plugin name: inproc, zmq, ucx or a third-party entry point")
     options: dict[str, Any] = Field(default_factory=dict)
+    # the KV wire codec of this link (pdd.transports.codec; both ends must name the same one, or the import is
+    # refused): lossless = byte shuffle + zstd, bit-exact, used only where it makes a frame cross sooner;
+    # fp8 = e4m3 with a scale per block and head, lossy (changes tokens), only ever on by config
+    codec: Literal["none", "lossless", "fp8", "fp8+lossless"] = Field(
+        "none", description="KV wire codec: none, lossless, fp8 or fp8+lossless (fp8 first, then lossless)")
+
+    @field_validator("options")
+    @classmethod
+    def _codec_not_an_option(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "codec" in value:
+            raise ValueError("the KV codec is a field of the link, not an option: set transports.<link>.codec "
+                             "(none, lossless, fp8 or fp8+lossless)")
+        return value
+
+    def plugin_options(self) -> dict[str, Any]:
+        """The options ``create_transport`` takes for this link: ``options`` plus the codec."""
+        return {**self.options, "codec": self.codec}
 
 
 class TransportsConfig(_Strict):

@@ -13,7 +13,8 @@ _EXPORTS = {
     "KVTransport": "base", "Peer": "base", "IncompatiblePeerError": "errors", "PeerLostError": "errors",
     "RemoteRejected": "errors", "TransferCancelled": "errors", "TransferError": "errors",
     "TransferTimeout": "errors", "FrameError": "frames", "available_transports": "plugins",
-    "create_transport": "plugins", "register_transport": "plugins", "ucx_available": "plugins",
+    "create_transport": "plugins", "create_link_transport": "plugins", "register_transport": "plugins",
+    "ucx_available": "plugins",
     "TransferHandle": "receive_side", "TransferStats": "receive_side",
 }
 __all__ = sorted(_EXPORTS)

@@ -11,8 +11,8 @@ A transport moves KV *blocks* between two paged pools and knows nothing about mo
     await handle                               # TransferStats, or a TransferError subclass
 
 Plugins subclass KVTransport and fill in five hooks (_start, _address, _connect, _send_frames,
-_close); validation, framing, completion tracking and telemetry live here and in receive_side.py, so
-every plugin behaves the same. Third parties add plugins through the ``pdd.transports`` entry-point
+_close); validation, framing, the wire codec (codec.py), completion tracking and telemetry live here and in
+receive_side.py, so every plugin behaves the same. Third parties add plugins through the ``pdd.transports`` entry-point
 group.
 """
 
@@ -30,6 +30,7 @@ from pdd.shared.kv_layout import KVLayout
 
 from . import telemetry
 from .blocks import FramePlan, byte_view, gather, plan_frames
+from .codec import CodecSpec, LinkEncoder, summarize
 from .errors import IncompatiblePeerError
 from .frames import FrameHeader, UnexpectedFrame, checksum, decode_header
 from .receive_side import ReceiveRegistry, SendProgress, TransferHandle, TransferStats
@@ -58,6 +59,9 @@ class KVTransport(abc.ABC):
         self.options = dict(options or {})
         self.instance_id = uuid.uuid4().hex[:12]
         self.max_frame_bytes = int(self.options.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES))
+        self.codec = CodecSpec.parse(self.options.get("codec"))  # ValueError names the allowed codecs
+        self._encoder: LinkEncoder | None = None
+        self._link_hint_bps: float | None = None
         self.layout: KVLayout | None = None
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -90,7 +94,9 @@ class KVTransport(abc.ABC):
                 raise ValueError(f"pool tensor {tuple(t.shape)} {t.dtype} does not match layout "
                                  f"[{n}, {layout.block_shape}] {layout.dtype} (contiguous)")
         self.layout, self._k, self._v = layout, list(k_cache), list(v_cache)
-        self._registry = ReceiveRegistry(self.name, layout, self._k, self._v, self.max_frame_bytes)
+        self._registry = ReceiveRegistry(self.name, layout, self._k, self._v, self.max_frame_bytes, self.codec)
+        self._encoder = LinkEncoder(self.codec, layout.dtype) if self.codec.active else None
+        self.set_link_rate_hint(self._link_hint_bps)
 
     @property
     def num_blocks(self) -> int:
@@ -100,7 +106,21 @@ class KVTransport(abc.ABC):
         """Everything a peer needs to connect to us; msgpack-able, travels over NATS."""
         self._require_registered()
         return {"transport": self.name, "protocol": PROTOCOL_VERSION, "instance_id": self.instance_id,
-                "layout": self.layout.to_dict(), "num_blocks": self.num_blocks, **self._address()}
+                "layout": self.layout.to_dict(), "num_blocks": self.num_blocks, "codec": self.codec.name,
+                **self._address()}
+
+    def check_codec(self, desc: Mapping[str, Any]) -> None:
+        """Refuse a peer whose link codec differs from ours (IncompatiblePeerError naming both): a sender must
+        never put lossy (fp8) KV into a pool that did not ask for it, nor a receiver wait for frames it refuses.
+        A descriptor without ``codec`` (before codecs) means ``none``."""
+        theirs = desc.get("codec", "none")
+        try:
+            remote = CodecSpec.parse(theirs)
+        except ValueError:
+            raise IncompatiblePeerError(f"KV codec mismatch: ours {self.codec.name!r}, the peer's {theirs!r} "
+                                        f"(unknown here)") from None
+        if remote != self.codec:
+            raise IncompatiblePeerError(f"KV codec mismatch: ours {self.codec.name!r}, the peer's {remote.name!r}")
 
     # ---- sender side -------------------------------------------------------------------------
     async def connect(self, desc: Mapping[str, Any]) -> Peer:
@@ -115,6 +135,7 @@ class KVTransport(abc.ABC):
             raise IncompatiblePeerError(f"peer descriptor has no valid layout: {exc}") from None
         if not layout.compatible_with(self.layout):
             raise IncompatiblePeerError(f"KV layout mismatch: ours {self.layout}, peer's {layout}")
+        self.check_codec(desc)
         peer = Peer(str(desc.get("instance_id", "")), dict(desc), layout, int(desc.get("num_blocks", 0)))
         peer.state = await self._connect(peer)
         return peer
@@ -135,13 +156,38 @@ class KVTransport(abc.ABC):
             raise ValueError(f"dst block ids must lie in [0, {peer.num_blocks}) on the peer")
         if not all(0 <= layer < self.layout.num_layers for layer in layers):
             raise ValueError(f"layers must lie in [0, {self.layout.num_layers})")
-        plans = plan_frames(src, dst, layers, self.layout.bytes_per_block_per_tensor, self.max_frame_bytes)
+        tally: dict[str, int] = {}
+        per_block = self.layout.bytes_per_block_per_tensor
+        plans = plan_frames(src, dst, layers, per_block, self.max_frame_bytes, tally)
         t0 = time.monotonic()
-        nbytes = await self._send_frames(peer, request_id, plans, trace_context,
-                                         progress if progress is not None else SendProgress())
-        stats = TransferStats(nbytes, time.monotonic() - t0, len(plans))
+        adaptive = self._encoder.adaptive if self._encoder is not None else None
+        if adaptive is not None:
+            adaptive.send_began()
+        nbytes = 0
+        try:
+            nbytes = await self._send_frames(peer, request_id, plans, trace_context,
+                                             progress if progress is not None else SendProgress())
+        finally:
+            if adaptive is not None:
+                adaptive.send_ended(nbytes, nbytes > 0)
+        stats = TransferStats(nbytes, time.monotonic() - t0, len(plans), summarize(tally),
+                              2 * len(src) * len(layers) * per_block)
         telemetry.record(self.name, "send", nbytes, stats.seconds, trace_context, request_id)
         return stats
+
+    def expected_wire_ratio(self) -> float:
+        """Wire bytes per KV byte the next frames should take: 1 without a codec; the fp8 size and the lossless
+        stage's measured ratio (while it pays) with one. The in-process shaper charges its line with it."""
+        if self._encoder is None or self.layout is None:
+            return 1.0
+        return self._encoder.expected_ratio((1, *self.layout.block_shape))
+
+    def set_link_rate_hint(self, bytes_per_s: float | None) -> None:
+        """The link's rate when it is known better than this transport can measure it (the in-process shaper's
+        emulated line: its own sends run at loopback speed); the adaptive lossless stage judges against it."""
+        self._link_hint_bps = bytes_per_s
+        if self._encoder is not None:
+            self._encoder.adaptive.link_hint_bps = bytes_per_s
 
     async def disconnect(self, peer: Peer) -> None:
         """Close the link to one peer (default: nothing to do)."""
@@ -184,12 +230,19 @@ class KVTransport(abc.ABC):
             raise RuntimeError(f"{self.name} transport: call register(layout, k_cache, v_cache) first")
 
     def _build_frame(self, request_id: str, plan: FramePlan, trace_context: dict | None) -> tuple[bytes, memoryview]:
-        """Header bytes and a (zero-copy when possible) payload view for one planned frame."""
+        """Header bytes and a payload view for one planned frame: zero-copy when the blocks are consecutive and
+        the link has no codec; else the frame's coded bytes (codec.py)."""
         pool = (self._k if plan.tensor == 0 else self._v)[plan.layer]
-        payload = byte_view(gather(pool, plan.src))
+        blocks = gather(pool, plan.src)
+        raw = byte_view(blocks)
+        codec, payload = "none", raw
+        if self._encoder is not None:
+            codec, payload = self._encoder.encode(blocks, raw)
+        if plan.tally is not None:
+            plan.tally[codec] = plan.tally.get(codec, 0) + 1
         header = FrameHeader(request_id, plan.layer, plan.tensor, plan.dst, self.layout.dtype,
-                             (len(plan.dst), *self.layout.block_shape), payload.nbytes,
-                             checksum(payload), trace_context)
+                             (len(plan.dst), *self.layout.block_shape), raw.nbytes,
+                             checksum(payload), trace_context, codec, payload.nbytes)
         return header.encode(), payload
 
     def _receive_frame(self, header: bytes | memoryview, payload: Any, source: Any = None) -> int:

@@ -7,7 +7,7 @@ a zero-copy view of the pool; scattered blocks are gathered once with index_sele
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,10 +20,13 @@ class FramePlan:
     tensor: int  # 0 = K, 1 = V
     src: tuple[int, ...]
     dst: tuple[int, ...]
+    # the send's tally of the codecs its frames carried (base.py counts per send; plugins pass plans through)
+    tally: dict[str, int] | None = field(default=None, compare=False, repr=False)
 
 
 def plan_frames(src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Sequence[int],
-                bytes_per_block: int, max_frame_bytes: int) -> list[FramePlan]:
+                bytes_per_block: int, max_frame_bytes: int,
+                tally: dict[str, int] | None = None) -> list[FramePlan]:
     """Layer by layer (so a sender can overlap with prefill), K then V, runs of <= max_frame_bytes."""
     pairs = sorted(zip(src_blocks, dst_blocks))
     per_frame = max(1, max_frame_bytes // bytes_per_block)
@@ -32,7 +35,7 @@ def plan_frames(src_blocks: Sequence[int], dst_blocks: Sequence[int], layers: Se
     for layer in layers:
         for tensor in (0, 1):
             for chunk in chunks:
-                plans.append(FramePlan(layer, tensor, tuple(s for s, _ in chunk), tuple(d for _, d in chunk)))
+                plans.append(FramePlan(layer, tensor, tuple(s for s, _ in chunk), tuple(d for _, d in chunk), tally))
     return plans
 
 

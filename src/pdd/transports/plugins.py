@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import importlib
 from importlib.metadata import entry_points
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .base import KVTransport
 from .shaper import ShapedTransport
+
+if TYPE_CHECKING:
+    from pdd.shared.config import TransportConfig
 
 _REGISTRY: dict[str, type[KVTransport] | str] = {
     "inproc": "pdd.transports.inproc:InprocTransport",
@@ -66,3 +69,9 @@ def create_transport(name: str, options: Mapping[str, Any] | None = None) -> KVT
     if shape:
         transport = ShapedTransport(transport, **shape)
     return transport
+
+
+def create_link_transport(cfg: TransportConfig, defaults: Mapping[str, Any] | None = None) -> KVTransport:
+    """The transport of one configured link (``transports.<link>``): its plugin and options, over ``defaults``
+    (say, the instance's ``bind_host``), and its typed ``codec``."""
+    return create_transport(cfg.name, {**(defaults or {}), **cfg.plugin_options()})

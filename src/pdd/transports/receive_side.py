@@ -3,7 +3,9 @@
 A request's destination blocks are registered with ``expect`` before its frames can arrive. A frame
 is written only if its header is valid for the pool, its request is live, its blocks are expected
 and not yet received, and its payload checksum matches. Writes and cancel/expiry share one lock, so
-once ``cancel`` returns (or a deadline passes) no byte of that request reaches the pool.
+once ``cancel`` returns (or a deadline passes) no byte of that request reaches the pool. A coded frame
+(codec.py) must carry a codec the link agreed on; it is checksummed as it crossed, then decoded into a
+buffer capped at the size its blocks imply, and only a payload that decoded exactly is written.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import torch
 
 from . import telemetry
 from .blocks import scatter
+from .codec import NONE, CodecSpec, decode, summarize
 from .errors import PeerLostError, TransferCancelled, TransferError, TransferTimeout
-from .frames import FrameHeader, UnexpectedFrame, check_against_layout, verify_payload
+from .frames import CodecError, FrameHeader, UnexpectedFrame, check_against_layout, verify_payload
 
 
 @dataclass
@@ -35,11 +38,20 @@ class SendProgress:
 
 @dataclass
 class TransferStats:
-    """What one send (or one completed receive) moved."""
+    """What one send (or one completed receive) moved. ``bytes`` crossed the link (payload bytes on the wire:
+    what the WAN carried); ``raw_bytes`` is the KV they decode to (equal without a codec). ``codec`` is what the
+    frames carried: the link's codec, ``none`` when the adaptive lossless stage skipped every frame, or
+    ``<codec>(partial)`` when it ran on some frames only (codec.summarize)."""
 
     bytes: int
     seconds: float
     frames: int = 0
+    codec: str = "none"
+    raw_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.raw_bytes is None:
+            self.raw_bytes = self.bytes
 
     @property
     def gbps(self) -> float:
@@ -81,15 +93,18 @@ class _Expectation:
     deadline: float
     trace_context: dict | None = None
     sources: set = field(default_factory=set)
-    bytes: int = 0
+    bytes: int = 0  # on the wire
+    raw_bytes: int = 0
+    codecs: set = field(default_factory=set)
     frames: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
 class ReceiveRegistry:
     def __init__(self, transport_name: str, layout: Any, k_cache: Sequence[torch.Tensor],
-                 v_cache: Sequence[torch.Tensor], max_frame_bytes: int) -> None:
+                 v_cache: Sequence[torch.Tensor], max_frame_bytes: int, codec: CodecSpec = NONE) -> None:
         self._name = transport_name
+        self._codecs = codec.frame_codecs()  # what a frame on this link may carry
         self._layout = layout
         self._pools = (list(k_cache), list(v_cache))
         self._max_frame_bytes = max_frame_bytes
@@ -135,7 +150,7 @@ class ReceiveRegistry:
 
     # ---- transport side ----------------------------------------------------------------------
     def accept(self, header: FrameHeader, payload: Any, source: Hashable = None) -> int:
-        """Validate and write one frame; return its byte count or raise a FrameError.
+        """Validate and write one frame; return its byte count on the wire or raise a FrameError.
 
         A frame with a known request id that fails validation also fails that request (its data
         cannot arrive intact any more); frames for unknown requests are only rejected.
@@ -143,7 +158,19 @@ class ReceiveRegistry:
         lay = self._layout
         try:
             check_against_layout(header, lay.num_layers, lay.block_shape, lay.dtype, self._max_frame_bytes)
+            if header.codec not in self._codecs:
+                raise CodecError(f"frame carries codec {header.codec!r}; this link's codec allows only "
+                                 f"{sorted(self._codecs)}", header.request_id)
             verify_payload(header, payload)
+            if header.codec != "none":
+                if header.request_id not in self._live:  # re-checked under the lock; spares decoding junk
+                    raise UnexpectedFrame(f"no live expectation for request {header.request_id!r}",
+                                          header.request_id)
+                try:
+                    payload = decode(payload, header.codec, header.dtype, header.shape, header.nbytes)
+                except CodecError as exc:
+                    exc.request_id = header.request_id
+                    raise
         except TransferError as exc:
             self._fail(header.request_id, exc, only_if_live=True)
             raise
@@ -171,7 +198,9 @@ class ReceiveRegistry:
             scatter(self._pools[header.tensor][header.layer], header.block_ids, payload)
             seen[idx] = True
             exp.remaining -= n  # header block ids are distinct (decode_header) and were all unseen
-            exp.bytes += header.nbytes
+            exp.bytes += header.wire_nbytes
+            exp.raw_bytes += header.nbytes
+            exp.codecs.add(header.codec)
             exp.frames += 1
             exp.trace_context = exp.trace_context or header.trace_context
             if source is not None:
@@ -180,12 +209,13 @@ class ReceiveRegistry:
                 del self._live[header.request_id]
                 done = exp
         if done is not None:
-            stats = TransferStats(done.bytes, time.monotonic() - done.started, done.frames)
+            stats = TransferStats(done.bytes, time.monotonic() - done.started, done.frames, summarize(done.codecs),
+                                  done.raw_bytes)
             telemetry.record(self._name, "recv", stats.bytes, stats.seconds, done.trace_context,
                              request_id=done.request_id)
             if not done.future.done():  # it may have been failed (timeout, cancel) in a race
                 done.future.set_result(stats)
-        return header.nbytes
+        return header.wire_nbytes
 
     # ---- internals ---------------------------------------------------------------------------
     def _expire(self, request_id: str, future: concurrent.futures.Future) -> None:

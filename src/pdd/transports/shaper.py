@@ -8,6 +8,10 @@ transport's ``streams`` flows, so it also takes at least ``bytes / (streams x fl
 (a bucket per send), however idle the line; several sends share ``rate``, the line. ``set_down(True)`` blackholes the link: sends stall and fail with PeerLostError after
 ``down_timeout_s`` while receivers see nothing — a WAN cut. ``down_file``: the link is also down
 while that file exists, so a test or an operator can cut a running service's WAN from outside.
+With a codec (codec.py) the line is charged the bytes that would cross it: the KV bytes times the wrapped
+transport's expected wire ratio (fp8's size, the lossless stage's measured ratio while it pays), or times
+``wire_ratio`` when given (emulated KV is not real KV: pass the ratio pdd.bench.codec measured on real KV).
+The wrapped transport's adaptive lossless stage judges against the emulated line's rate, not loopback's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from typing import Any, Sequence
 
 from .base import KVTransport, Peer, SendProgress
+from .codec import summarize
 from .errors import PeerLostError
 from .receive_side import TransferHandle, TransferStats
 from .units import rate_bits, seconds
@@ -27,7 +32,8 @@ from .units import rate_bits, seconds
 class ShapedTransport(KVTransport):
     def __init__(self, inner: KVTransport, rate: str | float | None = None, delay: str | float = 0.0,
                  jitter: str | float = 0.0, seed: int = 0, down_timeout_s: float = 10.0,
-                 down_file: str | None = None, flow_rate: str | float | None = None) -> None:
+                 down_file: str | None = None, flow_rate: str | float | None = None,
+                 wire_ratio: float | None = None) -> None:
         super().__init__(inner.options)
         self.inner = inner
         self.name = inner.name  # peers see the real transport
@@ -35,6 +41,9 @@ class ShapedTransport(KVTransport):
         streams = max(1, int(inner.options.get("streams", 1) or 1))
         self.transfer_bps = rate_bits(flow_rate) * streams if flow_rate else None  # one send's own ceiling
         self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
+        self.wire_ratio = float(wire_ratio) if wire_ratio else None
+        line = min(r for r in (self.rate_bps, self.transfer_bps) if r) if (self.rate_bps or self.transfer_bps) else None
+        inner.set_link_rate_hint(line / 8 if line else None)
         self.down_timeout_s = down_timeout_s
         self.down_file = down_file
         self._rng = random.Random(seed)
@@ -78,7 +87,8 @@ class ShapedTransport(KVTransport):
                    layers: range | Sequence[int] | None = None, trace_context: dict | None = None,
                    progress: SendProgress | None = None) -> TransferStats:
         layers = list(range(self.inner.layout.num_layers) if layers is None else layers)
-        per_layer = 2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor
+        ratio = self.wire_ratio or self.inner.expected_wire_ratio()
+        per_layer = round(2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor * ratio)
         t0 = time.monotonic()
         deliveries = []
         crossed_at: list[float] = []  # per layer, when its bytes are through the line (then the delay)
@@ -104,7 +114,8 @@ class ShapedTransport(KVTransport):
         if failures:
             raise failures[0]
         results = outcomes
-        return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results))
+        return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results),
+                             summarize(r.codec for r in results), sum(r.raw_bytes for r in results))
 
     def _schedule(self, nbytes: int, own_free_at: list[float]) -> tuple[float, float]:
         """Monotonic times at which these bytes are through the emulated line, and at which they arrive (the delay

@@ -1,0 +1,361 @@
+"""KV wire codecs (transports/codec.py) on a real model's real KV: lossless ratio and speed, fp8's accuracy.
+
+    python -m pdd.bench.codec                  # SmolLM2-135M-Instruct, 50 prompts of 512-2,048 tokens
+    python -m pdd.bench.codec --quick --model DIR   # tests: a tiny checkpoint, 3 short prompts
+    python -m pdd.bench.codec --slice 30:42 --fp8-tensors k   # fp8 on K alone, 12 of the longer prompts
+
+What it does:
+* prompts: real text on this machine (the long descriptions of the installed Python packages, which are their
+  READMEs, and this repository's docs/*.md), one source each, cut to lengths spread evenly over the range and
+  wrapped in the model's chat template ("Summarize ..."). The output names the source.
+* lossless: the prompts' KV as the transport frames it (one frame per layer, tensor and request), byte shuffle +
+  zstd; ``lossless_ratio_bf16`` from the bf16 KV of every prompt, ``lossless_ratio_fp32`` from an fp32 engine's
+  KV (fp32 weights) of the first ``--fp32-prompts``; a level sweep on bf16 justifies the level;
+  ``lossless_mb_s_per_core``: the slower of compress and decompress (raw MB/s), bf16 KV, torch and zstd on one
+  thread.
+* fp8: per prompt, prefill (held, as P does), copy the prompt's KV out, then import it twice into the same
+  engine (prepare_import / commit_import, P's first token as the known output): exact KV, which greedy-generates
+  ``--gen`` tokens (the reference), and fp8-round-tripped KV, teacher-forced on the reference (after every step
+  its token is compared with the reference's and replaced by it). ``fp8_top1_agreement``: share of those
+  positions whose top-1 matches; the first mismatch is where free greedy decoding would first diverge
+  (identical contexts until then), so ``fp8_greedy_prefix_agreement`` is the mean share of tokens before it and
+  ``fp8_first_divergence_p50`` its median position (0-based; a prompt that never diverges counts as ``--gen``).
+  A control imports exact KV teacher-forced the same way (must agree 100 %: the engine is batch-invariant).
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_SOURCE = "real text: installed packages' READMEs (site-packages */METADATA) and this repository's docs/*.md"
+INSTRUCTION = "Summarize the following document in a few sentences, then list its three most important points.\n\n"
+
+
+def cpu_info() -> tuple[str, bool]:
+    """(/proc/cpuinfo's model name, whether the CPU has avx512_bf16)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown", False
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                "unknown")
+    return name, " avx512_bf16" in text
+
+
+def text_sources() -> list[tuple[str, str]]:
+    """(name, text) of every long real text on this machine we use: package READMEs, then the repo's docs."""
+    out: list[tuple[str, str]] = []
+    for entry in sorted({p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()}):
+        for meta in sorted(entry.glob("*.dist-info/METADATA")):
+            body = meta.read_text(errors="replace").partition("\n\n")[2].strip()
+            if len(body) >= 6000:
+                out.append((meta.parent.name.split("-")[0], body))
+    docs = Path(__file__).resolve().parents[3] / "docs"
+    for md in sorted(docs.glob("*.md")) if docs.is_dir() else []:
+        out.append((f"docs/{md.name}", md.read_text(errors="replace")))
+    return out
+
+
+def build_prompts(tokenizer: Any, n: int, lo: int, hi: int) -> list[list[int]]:
+    """``n`` chat prompts of ``lo``..``hi`` tokens (evenly spread), each from a different real text."""
+    from pdd.shared.tokenizer import render_chat
+
+    sources = text_sources()
+    overhead = len(render_chat(tokenizer, INSTRUCTION))
+    prompts: list[list[int]] = []
+    for _, text in sources:
+        if len(prompts) == n:
+            break
+        target = lo + 16 + (hi - lo - 32) * len(prompts) // max(1, n - 1)  # spread, clear of both ends
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) < target - overhead:
+            continue
+        body = tokenizer.decode(ids[:max(1, target - overhead)])
+        prompt = render_chat(tokenizer, INSTRUCTION + body)
+        if lo <= len(prompt) <= hi:
+            prompts.append(prompt)
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} of {n} prompts of {lo}-{hi} tokens: not enough real text here "
+                         f"({len(sources)} sources)")
+    return prompts
+
+
+def load_model(model: str, dtype: str, kv_dtype: str, threads: int) -> Any:
+    """An engine without room (its model, tokenizer and dtypes are what ``engine_for`` reuses)."""
+    from pdd.engine.torch_backend.engine import TorchEngine
+
+    return TorchEngine.from_model(model, dtype=dtype, kv_dtype=kv_dtype, num_threads=threads, num_blocks=1)
+
+
+def engine_for(base: Any, prompts: list[list[int]], copies: int, gen: int) -> Any:
+    """A fresh engine on ``base``'s model with room for ``copies`` of every prompt plus its generated tokens;
+    no prefix cache (each import is computed from the KV it was given)."""
+    from pdd.engine.torch_backend.engine import TorchEngine
+
+    blocks = copies * sum(-(-(len(p) + gen + 2) // base.block_size) for p in prompts) + 16
+    return TorchEngine(base.model, base.tokenizer, num_blocks=blocks, max_num_seqs=64, max_prefill_tokens=4096,
+                       enable_prefix_cache=False, cache_finished=False, dtype_choice=base.dtype_choice)
+
+
+def run_until_done(eng: Any, rids: set[str], on_output: Any = None) -> None:
+    pending = set(rids)
+    while pending:
+        outs = eng.step()
+        for out in outs:
+            if on_output is not None:
+                on_output(out)
+        for out in outs:
+            if out.finished:
+                pending.discard(out.rid)
+
+
+def prefill_kv(eng: Any, prompts: list[list[int]], tag: str) -> list[tuple[int, list[Any], list[Any]]]:
+    """Prefill every prompt as P does (held), then (first token, per-layer K, per-layer V) of its prompt blocks."""
+    from pdd.engine.core.sampling_params import SamplingParams
+
+    first: dict[str, int] = {}
+    rids = [f"{tag}{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts):
+        eng.add_request(rid, p, SamplingParams(ignore_eos=True), max_new_tokens=1, hold_kv=True)
+    run_until_done(eng, set(rids), lambda out: first.setdefault(out.rid, out.token_ids[0]))
+    k_cache, v_cache = eng.kv_buffers()
+    out = []
+    for rid in rids:
+        blocks = eng.request_blocks(rid)
+        out.append((first[rid], [k[blocks] for k in k_cache], [v[blocks] for v in v_cache]))  # copies
+        eng.release(rid)
+    return out
+
+
+def import_kv(eng: Any, rid: str, prompt: list[int], first: int, ks: list[Any], vs: list[Any], gen: int) -> None:
+    from pdd.engine.core.sampling_params import SamplingParams
+
+    res = eng.prepare_import(rid, prompt, use_cache=False)
+    k_cache, v_cache = eng.kv_buffers()
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        k_cache[layer][res.dst_blocks] = k
+        v_cache[layer][res.dst_blocks] = v
+    eng.commit_import(rid, prompt, [first], SamplingParams(ignore_eos=True), max_new_tokens=gen + 1)
+
+
+def fp8_round_trip(t: Any, dtype: str) -> Any:
+    import torch
+
+    from pdd.transports import codec
+
+    raw = codec.decode(codec.encode(t, "fp8", dtype, tuple(t.shape)), "fp8", dtype, tuple(t.shape), 1 << 40)
+    return torch.frombuffer(bytearray(bytes(raw)), dtype=torch.uint8).view(t.dtype).view(t.shape)
+
+
+def teacher_forced(eng: Any, prompts: list[list[int]], kv: list[tuple[int, list[Any], list[Any]]], gen: int,
+                   controls: int, tensors: str = "kv") -> tuple[list[list[bool]], list[list[bool]]]:
+    """Reference greedy run on exact imported KV, then fp8 KV (and ``controls`` exact copies) teacher-forced on it:
+    per prompt, per generated position 1..gen, whether the top-1 token matched. ``tensors``: which of K and V
+    cross as fp8 (``kv``, as the codec does; ``k`` or ``v`` to see which one bounds the agreement)."""
+    dtype = eng.layout.dtype
+    ref: dict[int, dict[int, int]] = {i: {} for i in range(len(prompts))}  # prompt -> output position -> token
+    for i, (p, (first, ks, vs)) in enumerate(zip(prompts, kv)):
+        import_kv(eng, f"ref{i}", p, first, ks, vs, gen)
+
+    def record(out: Any) -> None:
+        for j, tok in enumerate(out.token_ids):
+            ref[int(out.rid[3:])][out.start_position + j] = tok
+
+    run_until_done(eng, {f"ref{i}" for i in range(len(prompts))}, record)
+    match: dict[str, list[bool]] = {}
+    for i, (p, (first, ks, vs)) in enumerate(zip(prompts, kv)):
+        import_kv(eng, f"fp8{i}", p, first, [fp8_round_trip(k, dtype) if "k" in tensors else k for k in ks],
+                  [fp8_round_trip(v, dtype) if "v" in tensors else v for v in vs], gen)
+        match[f"fp8{i}"] = []
+        if i < controls:
+            import_kv(eng, f"ctl{i}", p, first, ks, vs, gen)
+            match[f"ctl{i}"] = []
+
+    def force(out: Any) -> None:
+        i, pos = int(out.rid[3:]), out.start_position
+        if pos == 0:
+            return  # P's first token, known
+        want = ref[i][pos]
+        match[out.rid].append(out.token_ids[0] == want)
+        if out.token_ids[0] != want and not out.finished:
+            eng.extend_known(out.rid, [want], start_position=pos)
+
+    run_until_done(eng, set(match), force)
+    fp8 = [match[f"fp8{i}"] for i in range(len(prompts))]
+    ctl = [match[f"ctl{i}"] for i in range(min(controls, len(prompts)))]
+    return fp8, ctl
+
+
+def frames_of(kv: list[tuple[int, list[Any], list[Any]]]) -> list[Any]:
+    """The payloads a transport would send: one per request, layer and tensor (each well under 16 MiB here)."""
+    return [t for _, ks, vs in kv for t in [*ks, *vs]]
+
+
+def coded_sizes(frames: list[Any], dtype: str, sizes: dict[str, int]) -> None:
+    """Add the frames' raw bytes and their size under each codec to ``sizes``."""
+    from pdd.transports import codec
+
+    sizes["raw"] = sizes.get("raw", 0) + sum(t.numel() * t.element_size() for t in frames)
+    for spec in ("lossless", "fp8", "fp8+lossless"):
+        sizes[spec] = sizes.get(spec, 0) + sum(len(codec.encode(t, spec, dtype, tuple(t.shape))) for t in frames)
+
+
+def lossless_speed(frames: list[Any], dtype: str, level: int, repeats: int = 2) -> tuple[float, float, float]:
+    """(ratio, compress MB/s, decompress MB/s) of raw bytes, best of ``repeats`` passes, on this thread."""
+    import torch
+
+    from pdd.transports import codec
+
+    item = frames[0].element_size()
+    raws = [t.contiguous().reshape(-1).view(torch.uint8).numpy() for t in frames]
+    total = sum(r.nbytes for r in raws)
+    best_c = best_d = float("inf")
+    packed: list[bytes] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        packed = [codec.compress(r, item, level) for r in raws]
+        best_c = min(best_c, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for r, z in zip(raws, packed):
+            codec.decompress(z, item, r.nbytes)
+        best_d = min(best_d, time.perf_counter() - t0)
+    return total / sum(map(len, packed)), total / best_c / 1e6, total / best_d / 1e6
+
+
+def subset(frames: list[Any], max_bytes: int) -> list[Any]:
+    out, n = [], 0
+    for t in frames:
+        if n >= max_bytes:
+            break
+        out.append(t)
+        n += t.numel() * t.element_size()
+    return out
+
+
+def summarize_fp8(fp8: list[list[bool]], gen: int) -> dict[str, Any]:
+    firsts = [next((j for j, ok in enumerate(m) if not ok), gen) for m in fp8]
+    positions = [ok for m in fp8 for ok in m]
+    return {"fp8_top1_agreement": sum(positions) / len(positions),
+            "fp8_greedy_prefix_agreement": statistics.fmean(f / gen for f in firsts),
+            "fp8_first_divergence_p50": statistics.median(firsts),
+            "fp8_first_divergence_min": min(firsts),
+            "fp8_prompts_never_diverged": sum(f == gen for f in firsts),
+            "fp8_positions": len(positions)}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the SmolLM2-135M-Instruct "
+                    "HF folder under PDD_CACHE_DIR/hf, else the packaged SmolLM2 GGUF)")
+    ap.add_argument("--prompts", type=int, default=50)
+    ap.add_argument("--min-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--gen", type=int, default=128, help="tokens generated on the imported KV")
+    ap.add_argument("--batch", type=int, default=25, help="prompts per engine batch (memory)")
+    ap.add_argument("--fp32-prompts", type=int, default=8, help="prompts whose fp32 KV gives lossless_ratio_fp32")
+    ap.add_argument("--dtype", default="auto", help="engine weights for the fp8 run (auto: what serving picks)")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="KV dtype of the fp8 run and of the bf16 figures")
+    ap.add_argument("--controls", type=int, default=2, help="exact-KV teacher-forced controls per batch")
+    ap.add_argument("--fp8-tensors", choices=("kv", "k", "v"), default="kv",
+                    help="which tensors cross as fp8 in the accuracy run (k or v alone: which one bounds it)")
+    ap.add_argument("--slice", default=":", help="START:END of the --prompts built (sorted by length), e.g. 30:42")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true", help="tests: 3 prompts of 48-160 tokens, 8 generated tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.min_tokens, args.max_tokens, args.gen = 3, 48, 160, 8
+        args.batch, args.fp32_prompts, args.controls = 3, 2, 1
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+
+    from pdd.shared.model_files import cache_dir
+    from pdd.transports import codec
+
+    t_start = time.monotonic()
+    hf = cache_dir() / "hf" / "SmolLM2-135M-Instruct"
+    model = args.model or (str(hf) if hf.is_dir() else "default")
+    cpu, bf16 = cpu_info()
+    load = os.getloadavg()
+    print(f"cpu: {cpu}; avx512_bf16: {'yes' if bf16 else 'no'}; threads {args.threads}; load {load[0]:.2f}")
+    base = load_model(model, args.dtype, args.kv_dtype, args.threads)
+    kv_dtype, choice = base.layout.dtype, base.dtype_choice
+    start, _, end = args.slice.partition(":")
+    prompts = build_prompts(base.tokenizer, args.prompts, args.min_tokens, args.max_tokens)
+    prompts = prompts[int(start or 0):int(end) if end else None]
+    lens = [len(p) for p in prompts]
+    print(f"model: {model}; {choice.reason}; {len(prompts)} prompts of {min(lens)}-{max(lens)} tokens from "
+          f"{PROMPT_SOURCE}")
+    fp8: list[list[bool]] = []
+    ctl: list[list[bool]] = []
+    kept: list[Any] = []  # up to 256 MiB of KV frames for the speed figures
+    sizes16: dict[str, int] = {}
+    for b in range(0, len(prompts), args.batch):
+        batch = prompts[b:b + args.batch]
+        eng = engine_for(base, batch, 3, args.gen)
+        kv = prefill_kv(eng, batch, f"b{b}_")
+        coded_sizes(frames_of(kv), kv_dtype, sizes16)
+        kept = subset(kept + frames_of(kv), 256 << 20)
+        f, c = teacher_forced(eng, batch, kv, args.gen, args.controls, args.fp8_tensors)
+        fp8 += f
+        ctl += c
+        del eng, kv
+        print(f"prompts {b}-{b + len(batch) - 1}: fp8 top-1 {sum(map(sum, f))}/{sum(map(len, f))} positions; "
+              f"control {sum(map(sum, c))}/{sum(map(len, c))}; {time.monotonic() - t_start:.0f} s")
+    del base
+    base32 = load_model(model, "float32", "float32", args.threads)
+    eng32 = engine_for(base32, prompts[:args.fp32_prompts], 1, 0)
+    sizes32: dict[str, int] = {}
+    coded_sizes(frames_of(prefill_kv(eng32, prompts[:args.fp32_prompts], "f")), "float32", sizes32)
+    del eng32, base32
+    torch.set_num_threads(1)
+    ratios16 = {k: sizes16["raw"] / v for k, v in sizes16.items() if k != "raw"}
+    ratios32 = {k: sizes32["raw"] / v for k, v in sizes32.items() if k != "raw"}
+    bf16_frames = kept
+    sweep_frames = subset(bf16_frames, 64 << 20 if not args.quick else 1 << 20)
+    sweep = {lvl: lossless_speed(sweep_frames, kv_dtype, lvl) for lvl in (-5, -1, 1, 3, 6)}
+    speed_frames = subset(bf16_frames, 256 << 20)
+    _, c_mb, d_mb = lossless_speed(speed_frames, kv_dtype, codec.DEFAULT_LEVEL, repeats=3)
+    for lvl, (r, c, d) in sweep.items():
+        print(f"zstd level {lvl:>2} on {kv_dtype} KV: ratio {r:.3f}, compress {c:.0f} MB/s, decompress {d:.0f} MB/s "
+              f"(one thread, shuffle included)")
+    figures: dict[str, Any] = {
+        "lossless_ratio_fp32": ratios32["lossless"], "lossless_ratio_bf16": ratios16["lossless"],
+        "lossless_mb_s_per_core": min(c_mb, d_mb), "lossless_compress_mb_s": c_mb, "lossless_decompress_mb_s": d_mb,
+        "zstd_level": codec.DEFAULT_LEVEL,
+        "zstd_level_sweep": {str(k): {"ratio": v[0], "compress_mb_s": v[1], "decompress_mb_s": v[2]}
+                             for k, v in sweep.items()},
+        "fp8_ratio_bf16": ratios16["fp8"], "fp8_lossless_ratio_bf16": ratios16["fp8+lossless"],
+        "fp8_ratio_fp32": ratios32["fp8"], "fp8_lossless_ratio_fp32": ratios32["fp8+lossless"],
+        **summarize_fp8(fp8, args.gen),
+        "control_exact_top1_agreement": (sum(map(sum, ctl)) / max(1, sum(map(len, ctl)))) if ctl else None,
+        "prompts": len(prompts), "prompt_tokens_min": min(lens), "prompt_tokens_max": max(lens),
+        "generated_tokens": args.gen, "prompt_source": PROMPT_SOURCE, "fp8_kv_dtype": kv_dtype,
+        "fp8_tensors": args.fp8_tensors,
+        "fp8_dtype_choice": choice.reason, "model": model, "cpu": cpu, "avx512_bf16": bf16,
+        "load_before": round(load[0], 2), "load_after": round(os.getloadavg()[0], 2),
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    print(f"lossless ratio: fp32 {ratios32['lossless']:.3f} ({args.fp32_prompts} prompts), {kv_dtype} "
+          f"{ratios16['lossless']:.3f}; fp8 {ratios16['fp8']:.3f}, fp8+lossless {ratios16['fp8+lossless']:.3f}; "
+          f"{kv_dtype} one core: compress {c_mb:.0f} MB/s, decompress {d_mb:.0f} MB/s")
+    print(f"fp8: top-1 {figures['fp8_top1_agreement']:.4f} over {figures['fp8_positions']} positions; greedy prefix "
+          f"{figures['fp8_greedy_prefix_agreement']:.3f}; first divergence p50 {figures['fp8_first_divergence_p50']} "
+          f"(of {args.gen}); control {figures['control_exact_top1_agreement']}")
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
