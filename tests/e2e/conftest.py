@@ -65,7 +65,8 @@ EMULATION = {"scenario": "small", "system": "pdd", "kv_scale": 1}
 
 
 def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None = None,
-                 policy: dict | None = None, backend: str = "torch", main_decode_site: str = "site-b") -> System:
+                 policy: dict | None = None, backend: str = "torch", main_decode_site: str = "site-b",
+                 wan_codec: str = "none") -> System:
     port = free_port()
     config = {
         "model": {"backend": backend, "path": model, "kv_memory_mb": 8, "block_size": 16, "max_num_seqs": 32,
@@ -75,7 +76,7 @@ def start_system(root: Path, nats_url: str, model: str, wan_options: dict | None
         **two_site_layout(main_decode_site=main_decode_site),
         "transports": {
             "fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
-            "wan": {"name": "zmq", "options": {"streams": 2, **(wan_options or {})}},
+            "wan": {"name": "zmq", "codec": wan_codec, "options": {"streams": 2, **(wan_options or {})}},
         },
         "router": {"port": port, "request_timeout_s": 60},
         "policy": policy or {},

@@ -80,3 +80,43 @@ def test_hanging_up_mid_transfer_leaves_no_kv_anywhere(system):
             return
         assert time.monotonic() < deadline, f"KV still held after the clients hung up: {busy}"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def lossless_system(tmp_path_factory, tiny_model):
+    """The torch system with the WAN's codec `lossless` on a slow emulated line (20 Mbit/s), where compressing
+    pays, on its own nats-server."""
+    from pdd.launch.natsserver import start_nats_server
+    from tests.e2e.conftest import start_system
+
+    nats = start_nats_server()
+    try:
+        system = start_system(tmp_path_factory.mktemp("pdd-lossless"), nats.url, tiny_model,
+                              wan_options={"shape": {"rate": "20mbit", "delay": "20ms"}}, wan_codec="lossless")
+        yield system
+        system.stop()
+    finally:
+        nats.stop()
+
+
+def test_a_lossless_wan_gives_the_same_tokens_and_says_so(lossless_system, reference):
+    """KV streamed through byte shuffle + zstd: every token as one engine alone, the response names the codec, and
+    P's WAN bytes are the coded ones (fewer than the KV they carry)."""
+    from pdd.engine import SamplingParams
+
+    codecs = set()
+    for seed in range(3):
+        prompt = long_prompt(seed=50 + seed)
+        body = body_for(prompt, Pipeline.P_MD, ignore_eos=True)
+        body["max_tokens"] = 16
+        r = httpx.post(lossless_system.base_url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        info = r.json()["pdd"]
+        assert info["token_ids"] == reference.generate([prompt], SamplingParams(ignore_eos=True),
+                                                       max_new_tokens=16)[0]
+        codecs.add(info["kv_codec"])
+        wan = spans_of(lossless_system, r.json()["id"])["kv.transfer.wan"]["attributes"]
+        assert wan["codec"] == info["kv_codec"]
+        if info["kv_codec"] == "lossless":
+            assert wan["bytes"] < wan["kv_bytes"]
+    assert codecs <= {"lossless", "lossless(partial)", "none"} and codecs & {"lossless", "lossless(partial)"}

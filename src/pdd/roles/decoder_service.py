@@ -54,8 +54,10 @@ class Incoming:
     handle: TransferHandle | None
     lease_task: asyncio.Task | None = None
     first_token: int | None = None
-    wan_bytes: int = 0
+    wan_bytes: int = 0  # on the wire
+    wan_kv_bytes: int = 0  # the KV they decode to (more, with a lossless or fp8 codec)
     wan_seconds: float = 0.0
+    kv_codec: str = "none"  # what the KV crossed with (the response says it)
     outputs: list[int] = field(default_factory=list)  # output positions 0.. known here
     committed: bool = False
     kv_landed_unix: float = 0.0
@@ -209,12 +211,15 @@ class DecoderService(EngineService):
         if inc is None or inc.first_token is not None:
             return
         inc.first_token = message.first_token
+        inc.kv_codec = message.codec
         if inc.req.link == KVLink.WAN:
             inc.wan_bytes = message.bytes_sent
+            inc.wan_kv_bytes = message.kv_bytes or message.bytes_sent
             inc.wan_seconds = message.seconds
         inc.outputs = [message.first_token]
         with tracer.start_as_current_span("kv.receive", attributes={
             "request_id": message.request_id, "bytes": message.bytes_sent, "cached_tokens": inc.cached_tokens,
+            "codec": message.codec,
         }):
             try:
                 if inc.handle is not None:

@@ -33,7 +33,7 @@ from pdd.shared.protocol import (
 )
 from pdd.shared.service import Service
 from pdd.shared.telemetry import get_logger
-from pdd.transports import KVTransport, create_transport
+from pdd.transports import KVTransport, create_link_transport
 
 log = get_logger("pdd.engine_service")
 
@@ -205,8 +205,7 @@ class EngineService(Service):
 
     async def open_transport(self, kind: str, cfg: TransportConfig) -> KVTransport:
         """Start a transport plugin and register this engine's pool with it."""
-        options = {"bind_host": self.instance.host, **cfg.options}
-        transport = create_transport(cfg.name, options)
+        transport = create_link_transport(cfg, {"bind_host": self.instance.host})
         await transport.start()
         transport.register(self.engine.layout, *self.engine.kv_buffers())
         self.transports[kind] = transport

@@ -4,13 +4,16 @@ P sends each destination the blocks a prefill chunk finished while later chunks 
 PrfaaS stream layer by layer; PDD streams by chunk, the unit its engines compute in). ``PromptExport`` is
 what the engine runner's block watcher fills after every step and what each destination's sender waits on;
 ``LinkBusy`` measures how long a destination's link carried the request (the sends of several chunks
-overlap, and the waits for the prefill between them are not link time).
+overlap, and the waits for the prefill between them are not link time); ``Sent`` adds up what they moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
+
+from pdd.transports.base import TransferStats
 
 
 class ExportMoved(RuntimeError):
@@ -74,3 +77,17 @@ class LinkBusy:
         self._in_flight -= 1
         if self._in_flight == 0:
             self.seconds += time.monotonic() - self._since
+
+
+@dataclass
+class Sent:
+    """What a destination's sends moved: bytes on the wire, the KV they decode to, the codec of each send."""
+
+    wire: int = 0
+    kv: int = 0
+    codecs: list[str] = field(default_factory=list)
+
+    def add(self, stats: TransferStats) -> None:
+        self.wire += stats.bytes
+        self.kv += stats.raw_bytes
+        self.codecs.append(stats.codec)

@@ -71,8 +71,10 @@ class MainDecodeService(DecoderService):
         rid = inc.req.request_id
         state = Decoding(inc, otel_context.get_current())
         self.decoding[rid] = state
-        if inc.wan_bytes >= 256 * 1024 and inc.wan_seconds > 0:  # small transfers measure latency, not rate
-            rate = inc.wan_bytes / inc.wan_seconds
+        # small transfers measure latency, not rate; KV bytes, not wire bytes: the router's cost model divides
+        # the KV main decode lacks by this rate, and a codec makes more KV cross per second
+        if inc.wan_bytes >= 256 * 1024 and inc.wan_seconds > 0:
+            rate = inc.wan_kv_bytes / inc.wan_seconds
             self._wan_rate = rate if self._wan_rate == 0 else 0.7 * self._wan_rate + 0.3 * rate
         if spec(inc.req.pipeline).hands_over and inc.req.rld_instance:
             await self.bus.publish(Subjects.instance(inc.req.rld_instance, "handoff_ready"), HandoffReady(
@@ -96,7 +98,7 @@ class MainDecodeService(DecoderService):
             meta = {}
             if out.finished:
                 meta = {"md_cached_tokens": inc.cached_tokens, "wan_bytes": inc.wan_bytes,
-                        "prompt_tokens": len(inc.req.prompt_ids)}
+                        "prompt_tokens": len(inc.req.prompt_ids), "kv_codec": inc.kv_codec}
             self.post(inc.req.events_subject, TokenChunk(
                 request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role,
                 start=out.start_position, token_ids=list(out.token_ids), finish_reason=out.finish_reason, meta=meta,

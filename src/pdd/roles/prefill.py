@@ -16,7 +16,7 @@ from opentelemetry import trace
 
 from pdd.engine import EngineInputError, StepOutput
 from pdd.roles.engine_service import EngineService, sampling_params
-from pdd.roles.kv_export import LinkBusy, PromptExport
+from pdd.roles.kv_export import LinkBusy, PromptExport, Sent
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
@@ -39,6 +39,7 @@ from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger, inject_headers
 from pdd.shared.wan_backlog import WanBacklog
 from pdd.transports.base import SendProgress
+from pdd.transports.codec import summarize
 from pdd.transports.errors import PeerLostError, TransferTimeout
 
 SENT_MEMORY_S = 60.0  # how long a finished transfer is remembered for its receiver's transfer check
@@ -280,39 +281,40 @@ class PrefillService(EngineService):
             "request_id": req.request_id, "peer": dest.instance_id, "blocks": len(plan.dst_blocks),
             "cached_tokens_at_peer": plan.cached_tokens,
         }) as span:
-            busy, progress, nbytes = LinkBusy(), SendProgress(), 0
+            busy, progress, sent = LinkBusy(), SendProgress(), Sent()
             if plan.dst_blocks:
-                nbytes = await self._stream_blocks(req, dest, plan, skip, export, busy, progress, span)
+                await self._stream_blocks(req, dest, plan, skip, export, busy, progress, sent, span)
         if dest.link == KVLink.WAN:
             metrics.WAN_TRANSFER.observe(busy.seconds)
         token = await first
         self._sent[(req.request_id, dest.instance_id)] = time.monotonic()
         await self.bus.publish(Subjects.instance(dest.instance_id, "kv_ready"), KVReady(
-            request_id=req.request_id, instance_id=self.instance_id, first_token=token, bytes_sent=nbytes,
-            seconds=busy.seconds))
+            request_id=req.request_id, instance_id=self.instance_id, first_token=token, bytes_sent=sent.wire,
+            seconds=busy.seconds, codec=summarize(sent.codecs), kv_bytes=sent.kv))
 
     async def _stream_blocks(self, req: SubmitRequest, dest: Destination, plan: ImportPlan, skip: int,
-                             export: PromptExport, busy: LinkBusy, progress: SendProgress, span: trace.Span) -> int:
-        """Send blocks [skip:] to the planned destination blocks, a send per batch of newly final blocks; returns
-        the bytes acknowledged. A failed send fails the transfer (the others are cancelled at a frame boundary)."""
+                             export: PromptExport, busy: LinkBusy, progress: SendProgress, sent: Sent,
+                             span: trace.Span) -> None:
+        """Send blocks [skip:] to the planned destination blocks, a send per batch of newly final blocks, adding what
+        they moved to ``sent``. A failed send fails the transfer (the others are cancelled at a frame boundary)."""
         transport, wake = self.transports[dest.link], export.listen()
         # held for this transfer: other transfers share the link, and none may close it under this one
         peer = await self.links.hold(dest.link, plan.descriptor)
         planned = len(plan.dst_blocks) * self.engine.block_size * self.engine.layout.bytes_per_token
         sends: list[asyncio.Task] = []
-        sent, nbytes, backlogged = skip, 0, False
+        launched, backlogged = skip, False
 
-        async def send(src: list[int], dst: list[int]) -> int:
+        async def send(src: list[int], dst: list[int]) -> None:
             busy.begin()
             try:
                 stats = await transport.send(peer, req.request_id, src, dst, trace_context=inject_headers(),
                                              progress=progress)
-                return stats.bytes
+                sent.add(stats)
             finally:
                 busy.end()
                 wake.set()
         try:
-            while sent < export.total_blocks or not export.done:
+            while launched < export.total_blocks or not export.done:
                 wake.clear()
                 for task in sends:
                     if task.done() and not task.cancelled() and task.exception() is not None:
@@ -323,13 +325,13 @@ class PrefillService(EngineService):
                     # the simulator's view of it does (sim/wan_view.py)
                     self.wan_backlog.started(planned)
                     backlogged = True
-                if len(blocks) > sent:
-                    dst = plan.dst_blocks[sent - skip:len(blocks) - skip]
-                    sends.append(asyncio.create_task(send(blocks[sent:], dst)))
-                    sent = len(blocks)
+                if len(blocks) > launched:
+                    dst = plan.dst_blocks[launched - skip:len(blocks) - skip]
+                    sends.append(asyncio.create_task(send(blocks[launched:], dst)))
+                    launched = len(blocks)
                 else:
                     await wake.wait()
-            nbytes = sum(await asyncio.gather(*sends))
+            await asyncio.gather(*sends)
         except PeerLostError:  # this link is gone: the next transfer opens a new one
             await self.links.forget(dest.link, plan.descriptor, peer)
             raise
@@ -339,9 +341,8 @@ class PrefillService(EngineService):
             await asyncio.gather(*sends, return_exceptions=True)
             await self.links.release(dest.link, peer)
             # failed or cancelled (the relay finished first): what crossed until then still crossed
-            nbytes = nbytes or progress.crossed
-            span.set_attribute("sends", len(sends))
-            if backlogged:
-                self.wan_backlog.finished(planned, nbytes)
-            self._count_sent(dest.link, nbytes, busy.seconds, span)
-        return nbytes
+            sent.wire = max(sent.wire, progress.crossed)
+            span.set_attributes({"sends": len(sends), "codec": summarize(sent.codecs), "kv_bytes": sent.kv})
+            if backlogged:  # in KV bytes, as planned: the router divides queued KV by the egress it measures
+                self.wan_backlog.finished(planned, sent.kv or sent.wire)
+            self._count_sent(dest.link, sent.wire, busy.seconds, span)

@@ -79,7 +79,7 @@ class RelayService(DecoderService):
         self.post(inc.req.events_subject, TokenChunk(
             request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role, start=out.start_position,
             token_ids=list(out.token_ids), finish_reason=out.finish_reason, logprobs=out.logprobs or [],
-            meta={"rld_tokens": len(inc.outputs) - 1} if out.finished else {}))
+            meta={"rld_tokens": len(inc.outputs) - 1, "kv_codec": inc.kv_codec} if out.finished else {}))
         if out.finished:
             self._finalize(state, finish_reason=out.finish_reason)
 

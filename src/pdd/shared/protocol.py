@@ -198,8 +198,10 @@ class KVReady(Message):
     request_id: str
     instance_id: str
     first_token: int  # output position 0, sampled by P: the receiver extends it before decoding
-    bytes_sent: int
-    seconds: float
+    bytes_sent: int  # on the wire (coded, when the link has a codec)
+    seconds: float  # the transfer's link time: seconds with a send in flight
+    codec: str = "none"  # what the KV crossed with (transports/codec.py; "<codec>(partial)": some frames only)
+    kv_bytes: int = 0  # the KV those bytes decode to (0 from a sender before codecs: bytes_sent)
 
 
 @dataclass
