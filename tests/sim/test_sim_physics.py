@@ -124,3 +124,26 @@ def test_streamed_export_overlaps_the_transfer_with_the_prefill(per_flow_gbps):
     streamed = max(prefill_s(chunk) + prompt * kvb / bps, prefill_s(prompt) + chunk * kvb / bps)
     assert streamed < whole
     assert ttft(None) - ttft(chunk) == pytest.approx(whole - streamed, rel=1e-6)
+
+
+def test_a_codec_on_the_wan_moves_fewer_bytes_and_kv_at_its_own_pace():
+    """A codec of wire ratio r sends r of the KV's bytes, so KV crosses at rate / r, unless the coding is slower
+    (codec_mb_s): then the coding is the pace. WAN bytes count the wire; naive's full KV stays the reference."""
+    cm = from_hardware(FAST, 8, MODEL, 0.5, 0.7, 0.9)
+    kvb, prompt = 50_000, 8_000  # one chunk: no streaming in the way
+
+    def run(**codec):
+        link = WanLink(bandwidth_gbps=100, per_flow_gbps=10, setup_s=0.0, jitter_sigma=0.0, throughput_sigma=0.0,
+                       **codec)
+        return simulate(SimInput(
+            arrivals=np.zeros(1), prompt=np.full(1, prompt), cached=np.zeros(1, np.int64), output=np.full(1, 4),
+            prefill=cm, decode=cm, n_prefill=1, n_decode=1, kv_bytes_per_token=kvb, kind="naive", wan=link,
+            record_itl=False))
+    plain, coded, slow = run(), run(codec_wire_ratio=0.4), run(codec_wire_ratio=0.4, codec_mb_s=500)
+    kv, wire_s = prompt * kvb, prompt * kvb / (10e9 / 8)
+    assert plain.wan_bytes == pytest.approx(kv) and coded.wan_bytes == pytest.approx(0.4 * kv)
+    assert coded.wan_bytes_naive == plain.wan_bytes_naive == pytest.approx(kv)
+    assert plain.ttft[0] - coded.ttft[0] == pytest.approx(0.6 * wire_s, rel=1e-6)
+    assert slow.ttft[0] - coded.ttft[0] == pytest.approx(kv / 500e6 - 0.4 * wire_s, rel=1e-6)
+    with pytest.raises(ValueError):
+        WanLink(codec_wire_ratio=1.5)

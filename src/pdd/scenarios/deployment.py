@@ -50,7 +50,10 @@ class WanLink:
 
     A transfer runs at min(streams x per-flow rate, line rate); the line carries as many such transfers at
     once as fit in it (``concurrent_transfers``), later ones queue. On a long fat pipe one flow does not fill
-    the line, which is what striping buys."""
+    the line, which is what striping buys. A codec on the link (transports.<link>.codec) sends
+    ``codec_wire_ratio`` wire bytes per KV byte and codes at most ``codec_mb_s`` MB of KV per second per
+    transfer (its slower end on one core; ``python -m pdd.bench.codec`` measures both on real KV), so a
+    transfer moves KV at ``kv_bytes_per_s``."""
 
     bandwidth_gbps: float = 100.0  # the line
     per_flow_gbps: float = 10.0  # one TCP flow's throughput
@@ -59,11 +62,16 @@ class WanLink:
     latency_s: float = 0.015  # one-way latency for small control messages (token ids, "ready")
     jitter_sigma: float = 0.5  # lognormal sigma of the setup-time multiplier (mean kept)
     throughput_sigma: float = 0.0  # lognormal sigma of the payload-time multiplier (median 1)
+    codec_wire_ratio: float = 1.0  # wire bytes per KV byte (1: no codec)
+    codec_mb_s: float = 0.0  # KV MB/s one transfer's coding keeps up with (0: no codec, or free)
 
     def __post_init__(self) -> None:
         if self.streams < 1 or self.per_flow_gbps <= 0 or self.bandwidth_gbps <= 0:
             raise ValueError(f"WanLink: streams >= 1 and positive rates needed (got streams={self.streams}, "
                              f"per_flow_gbps={self.per_flow_gbps}, bandwidth_gbps={self.bandwidth_gbps})")
+        if not 0 < self.codec_wire_ratio <= 1 or self.codec_mb_s < 0:
+            raise ValueError(f"WanLink: codec_wire_ratio in (0, 1] and codec_mb_s >= 0 needed (got "
+                             f"{self.codec_wire_ratio}, {self.codec_mb_s})")
 
     @property
     def transfer_gbps(self) -> float:
@@ -77,7 +85,14 @@ class WanLink:
 
     @property
     def transfer_bytes_per_s(self) -> float:
+        """Wire bytes one transfer moves per second."""
         return self.transfer_gbps * 1e9 / 8
+
+    @property
+    def kv_bytes_per_s(self) -> float:
+        """KV bytes one transfer moves per second: its wire rate over the codec's ratio, at most the codec's speed."""
+        rate = self.transfer_bytes_per_s / self.codec_wire_ratio
+        return min(rate, self.codec_mb_s * 1e6) if self.codec_mb_s > 0 else rate
 
 
 def build(cls: type, data: dict[str, Any]) -> Any:

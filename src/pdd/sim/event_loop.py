@@ -114,7 +114,7 @@ class SimResult:
     p_evictions: int  # blocks the simulated P caches evicted (0 without chains)
     md_evictions: int  # blocks the simulated MD caches evicted
     wan_bytes: float
-    wan_bytes_naive: float  # what the same requests would move without any decode-side cache
+    wan_bytes_naive: float  # what the same requests would move without any decode-side cache, uncoded (full KV)
     wan_bandwidth_gbps: float
     makespan: float
     tokens_relay: float
@@ -260,7 +260,8 @@ class _Run:
         self.events: list = []
         self.seq = itertools.count(1)  # event tie-break: the order events were pushed
         self.wan_flows = [0.0] * (wan.concurrent_transfers if wan else 1)  # when each slot frees
-        self.flow_bps = wan.transfer_bytes_per_s if wan else 1.0
+        self.flow_bps = wan.kv_bytes_per_s if wan else 1.0  # KV through one transfer (the codec's wire ratio in)
+        self.wire_ratio = wan.codec_wire_ratio if wan else 1.0  # WAN bytes per KV byte
         self.wan_bytes = [0.0]  # one cell, added to by the transfer helpers and the loop
         self.wan_sending: dict[int, tuple[float, float, float]] = {}  # rid -> (data begins, ends, bytes) of its KV
         # PDD's router sees the WAN queue through P's heartbeats
@@ -291,7 +292,7 @@ def _transfer_ops(run: _Run):
     wan, jit_l, tput_l, wan_flows, wan_sending, wan_bytes = (
         run.wan, run.jit_l, run.tput_l, run.wan_flows, run.wan_sending, run.wan_bytes)
     wan_view, req_p = run.wan_view, run.req_p
-    flow_bps, rdma_bps, rdma_setup_s = run.flow_bps, run.rdma_bps, run.inp.rdma_setup_s
+    flow_bps, rdma_bps, rdma_setup_s, wire_ratio = run.flow_bps, run.rdma_bps, run.inp.rdma_setup_s, run.wire_ratio
     prompt_l, cached_l, noise_l, kvb, pc = run.prompt_l, run.cached_l, run.noise_l, run.kvb, run.inp.prefill
     chunk = run.inp.prefill_chunk_tokens
     heappush, heappop = heapq.heappush, heapq.heappop
@@ -341,7 +342,7 @@ def _transfer_ops(run: _Run):
         bps = flow_bps / tput_l[rid]
         data_end = max(begin + nbytes / bps, ready + tail / bps)
         heappush(wan_flows, data_end)
-        wan_bytes[0] += nbytes
+        wan_bytes[0] += nbytes * wire_ratio
         wan_sending[rid] = (begin, data_end, nbytes)
         if wan_view is not None:
             wan_view.started(rid, req_p[rid], nbytes, ready)
@@ -356,7 +357,7 @@ def _transfer_ops(run: _Run):
         data_begin, end, nbytes = sending
         unsent = 0.0 if now >= end else (
             nbytes * (end - max(now, data_begin)) / (end - data_begin) if end > data_begin else nbytes)
-        wan_bytes[0] -= unsent
+        wan_bytes[0] -= unsent * wire_ratio
         if wan_view is not None:
             wan_view.finished(rid, now, nbytes - unsent)
 
