@@ -235,9 +235,10 @@ async def send_one(sock: zmq.asyncio.Socket, seq: int, inp: FrameInput, tally: T
              "long": [seq_bytes, inp.header, inp.payload, b"extra"], "noseq": [inp.header, inp.payload],
              "badseq": [b"\x01\x02\x03", inp.header, inp.payload]}[inp.parts]
     await sock.send_multipart(parts)
-    if inp.parts in ("noseq", "badseq"):
+    if len(parts[0]) != _SEQ.size:  # no part where the sequence number goes (a header of 8 bytes would read as one)
         tally.add("sent_without_seq")  # dropped by the receiver, which cannot address an answer
         return
+    seq_bytes = parts[0]  # the receiver answers to whatever sits there
     try:
         reply = await asyncio.wait_for(sock.recv_multipart(), 10)
     except asyncio.TimeoutError:
