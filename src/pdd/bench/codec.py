@@ -22,6 +22,19 @@ What it does:
   ``fp8_first_divergence_p50`` its median position (0-based; a prompt that never diverges counts as ``--gen``).
   A control imports exact KV teacher-forced the same way (must agree 100 %: the engine is batch-invariant).
 The last stdout line is one JSON object.
+
+    python -m pdd.bench.codec --memory         # buffer memory of one 64K-token transfer per codec (~1 min)
+
+``--memory``: with a codec, frames are no longer zero-copy; this measures what that costs in memory. Per codec
+(none, lossless, fp8, fp8+lossless), a receiver and a sender process (zmq on loopback, the production options:
+4 streams, default ``window_bytes`` and ``max_frame_bytes``) each register a pool of ``--tokens`` (65,536) tokens
+of SmolLM2-135M-shaped KV (30 layers, block 16, 3 KV heads, head_dim 64, bf16; synthetic: normal values with a
+lognormal scale per (head, channel), which code like the real KV above: lossless 1.45, fp8+lossless 2.33), then
+move it all in one send. Each process resets its peak RSS (VmHWM, ``/proc/self/clear_refs``) once its pool is
+registered and touched (the sender: and its link up), and reads VmHWM again when the transfer completed: the
+difference is the transfer's own buffer memory, not the pool. A fresh sender has not measured its link yet, so
+``lossless`` compresses every frame (its worst case). The last stdout line is one JSON object
+(``memory_peak_extra_mb``: {codec: {sender, receiver}} in MiB, ``pool_mb``, ``kv_tokens``, ...).
 """
 
 from __future__ import annotations
@@ -269,6 +282,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--slice", default=":", help="START:END of the --prompts built (sorted by length), e.g. 30:42")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="tests: 3 prompts of 48-160 tokens, 8 generated tokens")
+    ap.add_argument("--memory", action="store_true",
+                    help="instead: peak RSS growth of a zmq sender and receiver process during one transfer, per codec")
+    ap.add_argument("--tokens", type=int, default=65536, help="--memory: KV tokens in the transfer (and the pools)")
+    ap.add_argument("--window-bytes", type=int, default=None,
+                    help="--memory: the zmq window per stream (default: the transport's, 32 MiB), to see what it holds")
+    ap.add_argument("--memory-role", nargs=2, metavar=("ROLE", "CODEC"), default=None,
+                    help=argparse.SUPPRESS)  # internal: one side of a --memory run (rx, or tx with --peer)
+    ap.add_argument("--peer", default=None, help=argparse.SUPPRESS)  # internal: the receiver's descriptor (JSON)
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.min_tokens, args.max_tokens, args.gen = 3, 48, 160, 8
@@ -276,8 +297,202 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+# ---- --memory: the buffer memory of one transfer per codec -------------------------------------------------
+MEMORY_CODECS = ("none", "lossless", "fp8", "fp8+lossless")
+MEMORY_REQUEST = "mem"
+# SmolLM2-135M-Instruct (config.json: num_hidden_layers 30, num_key_value_heads 3, head_dim 64), the engine's
+# block size 16, bf16 KV (what `dtype: auto` picks here): 23,040 bytes of K and V per token
+MEMORY_LAYOUT = {"num_layers": 30, "block_size": 16, "kv_heads": 3, "head_dim": 64, "dtype": "bfloat16"}
+
+
+def _status_kib(*keys: str) -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in keys:
+            out[name] = int(rest.split()[0])
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Set VmHWM back to the current RSS (Linux >= 4.0, ``clear_refs`` 5); False where that is refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def synthetic_pool(layout: Any, blocks: int, seed: int) -> tuple[list[Any], list[Any]]:
+    """K and V of every layer, [blocks, block_size, heads, head_dim] bf16, every page touched: normal values times a
+    lognormal (sigma 0.5) scale per (head, channel), which code like SmolLM2's real bf16 KV (lossless ~1.45,
+    fp8+lossless ~2.33; real: 1.456, 2.399). One random bank per tensor kind; each layer holds it rotated by its
+    own random number of tokens (cheap; a frame never repeats bytes within zstd's window)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = blocks * layout.block_size
+    heads, dim = layout.kv_heads, layout.head_dim
+    pools: tuple[list[Any], list[Any]] = ([], [])
+    for kind in (0, 1):
+        scale = torch.exp(0.5 * torch.randn(heads, dim, generator=g))
+        bank = (torch.randn(tokens, heads, dim, generator=g) * scale).to(layout.torch_dtype)
+        for _ in range(layout.num_layers):
+            shift = int(torch.randint(tokens, (1,), generator=g))
+            t = torch.empty(blocks, *layout.block_shape, dtype=layout.torch_dtype)
+            flat = t.view(tokens, heads, dim)
+            flat[:tokens - shift] = bank[shift:]
+            flat[tokens - shift:] = bank[:shift]
+            pools[kind].append(t)
+        del bank
+    return pools
+
+
+def pool_digest(k: list[Any], v: list[Any]) -> str:
+    import torch
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for t in [*k, *v]:
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+async def memory_role(role: str, codec_name: str, tokens: int, peer_desc: str | None,
+                      window_bytes: int | None = None) -> None:
+    """One side of a --memory run. rx: registers a touched pool, expects the request, resets its peak RSS, prints its
+    descriptor, waits for the transfer. tx: registers a filled pool, connects, resets its peak RSS, sends every block
+    in one send. Each prints one JSON line with its RSS figures (KiB) and the transfer's stats."""
+    import asyncio
+
+    import torch
+
+    from pdd.shared.kv_layout import KVLayout
+    from pdd.transports import create_transport
+
+    layout = KVLayout(**MEMORY_LAYOUT)
+    blocks = -(-tokens // layout.block_size)
+    ids = list(range(blocks))
+    options: dict[str, Any] = {"streams": 4, "codec": codec_name}  # production defaults otherwise
+    if window_bytes:
+        options["window_bytes"] = window_bytes
+    t = create_transport("zmq", options)
+    await t.start()
+    if role == "rx":
+        k = [torch.zeros(blocks, *layout.block_shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+        v = [torch.zeros(blocks, *layout.block_shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+        for x in [*k, *v]:
+            x.fill_(1.0)  # every page resident before the baseline (zeros may come from untouched calloc pages)
+    else:
+        k, v = synthetic_pool(layout, blocks, seed=1)
+    t.register(layout, k, v)
+    out: dict[str, Any] = {"role": role, "codec": codec_name, "streams": t.streams, "window_bytes": t.window_bytes,
+                           "max_frame_bytes": t.max_frame_bytes}
+    if role == "rx":
+        handle = t.expect(MEMORY_REQUEST, ids, timeout_s=600)
+        out["hwm_reset"] = reset_peak_rss()
+        out.update(baseline_rss_kib=_status_kib("VmRSS")["VmRSS"], baseline_hwm_kib=_status_kib("VmHWM")["VmHWM"])
+        print(json.dumps(t.descriptor()), flush=True)
+        stats = await handle
+    else:
+        peer = await t.connect(json.loads(peer_desc or "{}"))
+        out["hwm_reset"] = reset_peak_rss()
+        out.update(baseline_rss_kib=_status_kib("VmRSS")["VmRSS"], baseline_hwm_kib=_status_kib("VmHWM")["VmHWM"])
+        stats = await t.send(peer, MEMORY_REQUEST, ids, ids)
+    now = _status_kib("VmRSS", "VmHWM")
+    out.update(peak_hwm_kib=now["VmHWM"], after_rss_kib=now["VmRSS"], seconds=stats.seconds, wire_bytes=stats.bytes,
+               raw_bytes=stats.raw_bytes, frames=stats.frames, frame_codec=stats.codec,
+               pool_bytes=sum(x.numel() * x.element_size() for x in [*k, *v]), digest=pool_digest(k, v))
+    if role == "rx":  # the handle completes before the last frame's acknowledgement leaves: close only once the
+        await asyncio.to_thread(sys.stdin.readline)  # sender has it (the parent says so), or its send fails
+    await t.close()
+    print(json.dumps(out), flush=True)
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def memory_main(args: argparse.Namespace) -> int:
+    """Per codec, a fresh receiver and sender process; a table, then one JSON line."""
+    import subprocess
+
+    t_start = time.monotonic()
+    cpu, _ = cpu_info()
+    load = os.getloadavg()
+    me = [sys.executable, "-m", "pdd.bench.codec", "--tokens", str(args.tokens),
+          *(["--window-bytes", str(args.window_bytes)] if args.window_bytes else []), "--memory-role"]
+    mib = 1 / 1024  # KiB -> MiB
+    window = f"window_bytes {args.window_bytes}" if args.window_bytes else "default window_bytes"
+    print(f"cpu: {cpu}; load {load[0]:.2f}; {args.tokens} KV tokens of {MEMORY_LAYOUT}; zmq loopback, 4 streams, "
+          f"{window} and default max_frame_bytes; sender and receiver in separate processes")
+    rows: dict[str, dict[str, Any]] = {}
+    for name in MEMORY_CODECS:
+        rx = subprocess.Popen([*me, "rx", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            desc = rx.stdout.readline()
+            if not desc.strip():
+                raise SystemExit(f"{name}: the receiver gave no descriptor (exit {rx.wait(timeout=60)})")
+            tx = subprocess.run([*me, "tx", name, "--peer", desc.strip()], capture_output=True, text=True,
+                                timeout=600, check=False)
+            if tx.returncode != 0:
+                raise SystemExit(f"{name}: the sender failed:\n{tx.stderr[-3000:]}")
+            rx_out, _ = rx.communicate("sender done\n", timeout=120)
+        finally:
+            if rx.poll() is None:
+                rx.kill()
+        if rx.returncode != 0:
+            raise SystemExit(f"{name}: the receiver failed (exit {rx.returncode})")
+        rows[name] = {"tx": _last_json(tx.stdout), "rx": _last_json(rx_out)}
+    pool_mib = rows["none"]["tx"]["pool_bytes"] / 2**20
+    print(f"\npool: {pool_mib:.0f} MiB per process (K and V, {MEMORY_LAYOUT['num_layers']} layers); peak RSS growth "
+          f"during the transfer (VmHWM after it minus RSS once the pool was registered), MiB:")
+    print(f"{'codec':<14}{'sender':>9}{'receiver':>10}{'seconds':>9}{'wire MB':>9}{'ratio':>7}{'frames':>8}  carried")
+    figures_rows: dict[str, dict[str, float]] = {}
+    for name, r in rows.items():
+        tx, rx = r["tx"], r["rx"]
+        # with the reset, VmHWM started at the baseline RSS; without it (refused), this is an upper bound
+        extra = {"sender": max(0, tx["peak_hwm_kib"] - tx["baseline_rss_kib"]) * mib,
+                 "receiver": max(0, rx["peak_hwm_kib"] - rx["baseline_rss_kib"]) * mib}
+        figures_rows[name] = extra
+        print(f"{name:<14}{extra['sender']:>9.1f}{extra['receiver']:>10.1f}{tx['seconds']:>9.2f}"
+              f"{tx['wire_bytes'] / 1e6:>9.1f}{tx['raw_bytes'] / tx['wire_bytes']:>7.2f}{tx['frames']:>8}  "
+              f"{tx['frame_codec']}")
+    exact = {n: r["tx"]["digest"] == r["rx"]["digest"] for n, r in rows.items() if "fp8" not in n}
+    figures: dict[str, Any] = {
+        "memory_peak_extra_mb": {n: {k: round(v, 1) for k, v in e.items()} for n, e in figures_rows.items()},
+        "memory_unit": "MiB",
+        "memory_baseline_rss_mb": {n: {"sender": round(r["tx"]["baseline_rss_kib"] * mib, 1),
+                                       "receiver": round(r["rx"]["baseline_rss_kib"] * mib, 1)}
+                                   for n, r in rows.items()},
+        "transfer_seconds": {n: round(r["tx"]["seconds"], 3) for n, r in rows.items()},
+        "wire_bytes": {n: r["tx"]["wire_bytes"] for n, r in rows.items()},
+        "raw_bytes": rows["none"]["tx"]["raw_bytes"],
+        "frames": rows["none"]["tx"]["frames"],
+        "frame_codec": {n: r["tx"]["frame_codec"] for n, r in rows.items()},
+        "bit_exact": exact,
+        "hwm_reset": all(r[s]["hwm_reset"] for r in rows.values() for s in ("tx", "rx")),
+        "pool_mb": round(pool_mib, 1), "kv_tokens": args.tokens, "layout": MEMORY_LAYOUT,
+        "transport": {"name": "zmq", **{k: rows["none"]["tx"][k] for k in ("streams", "window_bytes",
+                                                                          "max_frame_bytes")}},
+        "cpu": cpu, "load_before": round(load[0], 2), "load_after": round(os.getloadavg()[0], 2),
+        "seconds": round(time.monotonic() - t_start, 1),
+    }
+    if not all(exact.values()):
+        print(f"WARNING: a lossless transfer did not arrive bit-exact: {exact}")
+    print(json.dumps(figures))
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.memory_role:
+        import asyncio
+
+        asyncio.run(memory_role(args.memory_role[0], args.memory_role[1], args.tokens, args.peer, args.window_bytes))
+        return 0
+    if args.memory:
+        return memory_main(args)
     import torch
 
     from pdd.shared.model_files import cache_dir
