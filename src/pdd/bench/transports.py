@@ -125,6 +125,9 @@ async def wan_role(role: str, streams: int, arg: str) -> None:
         for h in handles:
             await h
         print("DONE", flush=True)
+        # the last frame's acknowledgement may still be on its way when the handle completes: close only once the
+        # parent says the sender has finished (it closes our stdin)
+        await asyncio.to_thread(sys.stdin.read)
     else:
         peer = await t.connect(json.loads(arg))
         for i in range(RUNS + 1):
@@ -142,9 +145,12 @@ def wan_bench(streams_list: list[int]) -> dict:
     with WanEmulation(cfg) as wan:
         for streams in streams_list:
             me = [sys.executable, "-m", "pdd.bench.transports", "--wan-role"]
-            rx = subprocess.Popen([*wan.exec_prefix("b"), *me, "rx", str(streams), cfg.addr_b], stdout=subprocess.PIPE, text=True)
+            rx = subprocess.Popen([*wan.exec_prefix("b"), *me, "rx", str(streams), cfg.addr_b], stdout=subprocess.PIPE,
+                                  stdin=subprocess.PIPE, text=True)
             desc = rx.stdout.readline()
-            tx = subprocess.run([*wan.exec_prefix("a"), *me, "tx", str(streams), desc], capture_output=True, text=True, timeout=600)
+            tx = subprocess.run([*wan.exec_prefix("a"), *me, "tx", str(streams), desc], capture_output=True, text=True,
+                                timeout=600)
+            rx.stdin.close()  # the sender is done: the receiver may close now
             rx.wait(timeout=60)
             secs = [json.loads(line)["seconds"] for line in tx.stdout.splitlines()[1:]]
             results[streams] = max(gbps(TOTAL, s) for s in secs)
