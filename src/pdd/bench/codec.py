@@ -35,6 +35,10 @@ registered and touched (the sender: and its link up), and reads VmHWM again when
 difference is the transfer's own buffer memory, not the pool. A fresh sender has not measured its link yet, so
 ``lossless`` compresses every frame (its worst case). The last stdout line is one JSON object
 (``memory_peak_extra_mb``: {codec: {sender, receiver}} in MiB, ``pool_mb``, ``kv_tokens``, ...).
+
+Why one module: it is the one benchmark of the codecs, whose figures the docs quote together (what a codec saves,
+what it costs in accuracy, in speed and in memory); its two modes share the model's layout, the codec names and
+the report's shape, and mean little apart.
 """
 
 from __future__ import annotations
