@@ -1,4 +1,4 @@
-"""The HTTP layer's stream (services/router/streaming.py): token events that are already queued when the
+"""The HTTP layer's stream (router/streaming.py): token events that are already queued when the
 client's stream asks for the next one go out as one delta (one SSE event, its token count the positions it
 carries); events that arrive one by one stay one delta each; events with logprobs are never merged; a stop
 string or max_tokens inside merged events cuts at the same token as unmerged. With the tiny model's real
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdd.router.detokenize import IncrementalDetokenizer
-from pdd.router.streaming import BackendStream, text_deltas
+from pdd.router.streaming import BackendStream, DeltaBuilder, text_deltas
 from pdd.router.types import TokenEvent
 from pdd.shared.protocol import TokenLogprobs
 
@@ -38,7 +38,7 @@ async def _deltas(tokenizer, events: list[TokenEvent], gap_s: float, max_tokens:
         for _ in range(3 * len(events)):  # let the pump queue everything first
             await asyncio.sleep(0)
     detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop=stop)
-    out = [d async for d in text_deltas(stream, detok, max_tokens)]
+    out = [d async for d in text_deltas(stream, DeltaBuilder(detok, max_tokens))]
     await stream.close()
     return out
 

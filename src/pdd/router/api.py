@@ -24,14 +24,14 @@ from typing import Any, AsyncIterator, Callable, Protocol, TypeVar, runtime_chec
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from pdd.router.detokenize import IncrementalDetokenizer
 from pdd.router.errors import APIError, from_validation_error, install_error_handlers, log
-from pdd.router.openai_format import ChatFormatter, CompletionFormatter, Formatter, sse_line, usage_body
+from pdd.router.openai_format import ChatFormatter, CompletionFormatter, Formatter, final_usage, sse_line
 from pdd.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,9 +39,9 @@ from pdd.router.openai_schema import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from pdd.router.streaming import BackendStream, ClientDisconnected, text_deltas, watch_disconnect
+from pdd.router.sse import RAW_SEND, SSEResponse
+from pdd.router.streaming import BackendStream, ClientDisconnected, DeltaBuilder, text_deltas, watch_disconnect
 from pdd.router.types import Generation, GenerationError, GenerationRequest, TokenEvent
-from pdd.shared import metrics
 from pdd.shared.protocol import SamplingSpec
 from pdd.shared.tokenizer import render_messages
 
@@ -112,18 +112,6 @@ class _CountResponses:
                 HTTP_RESPONSES.labels(route=route, status=str(message["status"])).inc()
 
         await self.app(scope, receive, counting_send)
-
-
-class _SSEResponse(StreamingResponse):
-    """StreamingResponse without Starlette's own disconnect listener: ours (watch_disconnect) is
-    the only reader of ``receive``, on every ASGI spec version, so a client that leaves always
-    cancels the backend, even while no token is flowing."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await self.stream_response(send)
-        except OSError:
-            pass  # client gone mid-send; the watcher has or will cancel the generation
 
 
 class _API:
@@ -256,7 +244,7 @@ class _API:
     async def respond(self, request: Request, greq: GenerationRequest,
                       req: CompletionRequest | ChatCompletionRequest, fmt: Formatter) -> Response:
         """Start the backend, wait for its first event (so early errors get a real status), then
-        answer with one JSON body or an SSE stream."""
+        answer with one JSON body or an SSE stream (sse.py: written from the producer's callback)."""
         detok = IncrementalDetokenizer(self.backend.tokenizer, greq.prompt_ids, req.stop_list(),
                                        include_stop=req.include_stop_str_in_output,
                                        skip_special_tokens=req.skip_special_tokens,
@@ -269,7 +257,8 @@ class _API:
             raise APIError.from_generation_error(exc) from None
         stream = BackendStream(agen, greq.request_id, greq.deadline_unix)
         watcher = asyncio.create_task(watch_disconnect(request.receive, stream))
-        deltas = text_deltas(stream, detok, greq.sampling.max_tokens)
+        builder = DeltaBuilder(detok, greq.sampling.max_tokens)
+        deltas = text_deltas(stream, builder)
 
         async def finish() -> None:
             with anyio.CancelScope(shield=True):  # cleanup must not be cut short by cancellation
@@ -283,56 +272,23 @@ class _API:
             await finish()
             raise self._as_api_error(exc, greq) from None
 
-        if not req.stream:
-            try:
-                parts = [first.text]
-                fmt.note(first)
-                last = first
-                while last.finish_reason is None:
-                    last = await deltas.__anext__()
-                    parts.append(last.text)
-                    fmt.note(last)
-            except BaseException as exc:
-                raise self._as_api_error(exc, greq) from None
-            finally:
-                await finish()
-            usage = _usage(len(greq.prompt_ids), last.completion_tokens, last.info)
-            return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
-
-        async def body() -> AsyncIterator[str]:
-            try:
-                for c in fmt.start_chunks():
-                    yield sse_line(c)
-                delta = first
-                counted = 0  # tokens the client has been told of (continuous usage)
-                while True:
-                    final = delta.finish_reason is not None
-                    # with usage on every chunk, a chunk also goes out for tokens whose text is not final
-                    # yet (partial UTF-8, a possible stop string): clients time positions by its count
-                    news = fmt.continuous_prompt_tokens is not None and delta.completion_tokens > counted
-                    if delta.text or final or news or delta.logprobs:
-                        counted = delta.completion_tokens
-                        line = sse_line(fmt.chunk(delta, delta.info if final else None))
-                        if delta.received:
-                            metrics.ROUTER_TOKEN_DELAY.observe(time.monotonic() - delta.received)
-                        yield line
-                    if final:
-                        if fmt.include_usage:
-                            usage = _usage(len(greq.prompt_ids), delta.completion_tokens, delta.info)
-                            yield sse_line(fmt.usage_chunk(usage, delta.info))
-                        break
-                    delta = await deltas.__anext__()
-                yield sse_line("[DONE]")
-            except ClientDisconnected:
-                log.info("client_disconnected", request_id=greq.request_id)
-            except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-                yield sse_line(self._as_api_error(exc, greq).body())  # type: ignore[union-attr]
-                yield sse_line("[DONE]")
-            finally:
-                await finish()
-
-        return _SSEResponse(body(), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if req.stream:
+            return SSEResponse(stream, builder, fmt, first, len(greq.prompt_ids), close=finish,
+                               on_error=lambda exc: sse_line(self._as_api_error(exc, greq).body()))  # type: ignore
+        try:
+            parts = [first.text]
+            fmt.note(first)
+            last = first
+            while last.finish_reason is None:
+                last = await deltas.__anext__()
+                parts.append(last.text)
+                fmt.note(last)
+        except BaseException as exc:
+            raise self._as_api_error(exc, greq) from None
+        finally:
+            await finish()
+        usage = final_usage(len(greq.prompt_ids), last.completion_tokens, last.info)
+        return JSONResponse(fmt.full("".join(parts), last.finish_reason or "stop", usage, last.info))
 
     @staticmethod
     def _as_api_error(exc: BaseException, greq: GenerationRequest) -> APIError | BaseException:
@@ -358,20 +314,21 @@ def _has_key(body: bytes, key: str) -> bool:
     return isinstance(obj, dict) and key in obj
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, info: dict) -> dict[str, Any]:
-    """The final ``usage``: OpenAI's counts plus, when the backend reports it, the prompt tokens the
-    prefill instance found in its prefix cache (``prompt_tokens_details.cached_tokens``, as vLLM)."""
-    usage: dict[str, Any] = usage_body(prompt_tokens, completion_tokens)
-    if "p_cached_tokens" in info:
-        usage["prompt_tokens_details"] = {"cached_tokens": int(info["p_cached_tokens"])}
-    return usage
-
-
 class _Gone(APIError):
     """The client left; the answer goes nowhere (499, nginx's 'client closed request')."""
 
     def __init__(self) -> None:
         super().__init__(499, "client closed request", code="client_closed_request")
+
+
+class _App(FastAPI):
+    """FastAPI that keeps the server's own ``send`` in the scope (``RAW_SEND``): a stream's SSE events between its
+    start and its end go there directly (sse.py), past the middleware, which read only the start and the end."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -381,7 +338,7 @@ def create_app(backend: Backend) -> FastAPI:
     counts HTTP responses by route and status (``pdd:http_responses_total``), 4xx rejections included.
     """
     api = _API(backend)
-    app = FastAPI(title="PDD router", summary="OpenAI-compatible API of the PDD router",
+    app = _App(title="PDD router", summary="OpenAI-compatible API of the PDD router",
                   docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(_CountResponses)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from json.encoder import encode_basestring  # what JSONEncoder(ensure_ascii=False) writes a str with (C)
 from typing import Any
 
 from pdd.router.streaming import Delta
@@ -22,6 +23,10 @@ _JSON = json.JSONEncoder(ensure_ascii=False)  # one encoder: json.dumps with opt
 
 def sse_line(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else _JSON.encode(obj)}\n\n"
+
+
+DONE_LINE = sse_line("[DONE]")
+_MARK = "\x00pdd-text\x00"  # stands for a delta's text while a chunk's constant parts are encoded once
 
 
 class Formatter:
@@ -41,6 +46,26 @@ class Formatter:
         self._top_n = 0
         self._token_text: dict[int, str] = {}
         self._noted: list[tuple[int, TokenLogprobs]] = []  # non-streaming: every token's logprobs, in order
+        self._around: tuple[str, str] | None = None  # a plain chunk's SSE line before and after its text
+
+    def sse_chunk(self, delta: Delta, pdd: dict | None) -> str:
+        """``sse_line(self.chunk(delta, pdd))``; a plain chunk (text, no finish, no logprobs: nearly every one of a
+        stream) from its constant parts, encoded once per request, and the text: no dict or encoder per token."""
+        if pdd is not None or delta.finish_reason is not None or delta.logprobs or not delta.text:
+            return sse_line(self.chunk(delta, pdd))
+        if self._around is None:
+            line = sse_line(self.chunk(Delta(_MARK), None))
+            mark = encode_basestring(_MARK)
+            before, after = line.split(mark)
+            if self.continuous_prompt_tokens is not None:  # the usage, last, is written per chunk
+                after = after[:after.rindex(', "usage": ')]
+            self._around = before, after
+        before, after = self._around
+        if self.continuous_prompt_tokens is None:
+            return before + encode_basestring(delta.text) + after
+        prompt, done = self.continuous_prompt_tokens, delta.completion_tokens
+        return (f'{before}{encode_basestring(delta.text)}{after}, "usage": {{"prompt_tokens": {prompt}, '
+                f'"completion_tokens": {done}, "total_tokens": {prompt + done}}}}}\n\n')
 
     def use_logprobs(self, tokenizer: Any, top_n: int | None) -> None:
         """The request asked for logprobs (``top_n`` alternatives per token; None: it did not)."""
@@ -165,3 +190,12 @@ class ChatFormatter(Formatter):
 def usage_body(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def final_usage(prompt_tokens: int, completion_tokens: int, info: dict) -> dict[str, Any]:
+    """The final ``usage``: OpenAI's counts plus, when the backend reports it, the prompt tokens the
+    prefill instance found in its prefix cache (``prompt_tokens_details.cached_tokens``, as vLLM)."""
+    usage: dict[str, Any] = usage_body(prompt_tokens, completion_tokens)
+    if "p_cached_tokens" in info:
+        usage["prompt_tokens_details"] = {"cached_tokens": int(info["p_cached_tokens"])}
+    return usage

@@ -3,9 +3,10 @@
 It keeps each request's prompt and every emitted token id (``InFlight``: what any decoder needs to
 resume it by extend/recompute), enforces the deadline, holds the first token of a WAN pipeline until
 the decoder's stream starts (``first_token_after_kv``), and cancels everywhere when the client goes
-away. Tokens go from the bus callback straight to the client's event queue (one task switch per token,
-the HTTP layer's); the request loop wakes only for what is not a token: a quiet stream's health check
-(one watchdog for the router), a failure, the deadline (one timer per request), the finish.
+away. Tokens go from the bus callback straight to the client's event queue, whose consumer (the HTTP
+layer's SSE writer, router/sse.py) writes them without a task switch; the request loop wakes only for
+what is not a token: a quiet stream's health check (one watchdog for the router), a failure, the
+deadline (one timer per request), the finish.
 The decisions it ties together live beside it: routing.py (instances and pipeline),
 failover.py (when and where a request moves), wan_health.py (WAN link state and probes),
 reporting.py (metrics, spans, the final event's info).
@@ -25,7 +26,7 @@ from pdd.router.ownership import OwnershipTracker
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
 from pdd.router.routing import NO_INSTANCE, Route, Routing
-from pdd.router.types import Generation, GenerationError, GenerationRequest, TokenEvent
+from pdd.router.types import EventQueue, Generation, GenerationError, GenerationRequest, TokenEvent
 from pdd.router.wan_health import WanHealth, WanProbe
 from pdd.shared import metrics
 from pdd.shared.bus import Bus, Envelope
@@ -56,6 +57,8 @@ class Orchestrator:
         self.health = HealthWatch(config, bus, registry)
         self.waiting = 0  # requests waiting for an instance of a role that has none live
         self._watchdog: asyncio.Task | None = None
+        self._envelope: Envelope | None = None  # the bus message whose items _on_event is taking now
+        self._envelope_at = 0.0  # when the router began taking it (time.monotonic())
 
     async def start(self) -> None:
         await self.index.start(self.bus)
@@ -125,7 +128,7 @@ class Orchestrator:
     def generate(self, req: GenerationRequest) -> Generation:
         """Start the request: its events go straight from the bus callback to the HTTP layer's queue; cancelling
         the generation's task (the client left) cancels the request everywhere."""
-        events: asyncio.Queue = asyncio.Queue()
+        events = EventQueue()
         return Generation(events, asyncio.create_task(self._serve(req, events), name=f"pdd-req-{req.request_id}"))
 
     async def _serve(self, req: GenerationRequest, events: asyncio.Queue) -> None:
@@ -257,7 +260,7 @@ class Orchestrator:
         log.warning("request_migrated", request_id=rid, kind=kind, reason=failure.code, detail=failure.message,
                     left=left, to=target.instance_id, to_role=target.role, resume_at=len(state.flushed))
 
-    async def _on_event(self, message: Message, _: Envelope) -> None:
+    async def _on_event(self, message: Message, envelope: Envelope) -> None:
         rid = getattr(message, "request_id", None)
         if self.probes.owns(rid):
             self.probes.on_event(message)
@@ -265,7 +268,9 @@ class Orchestrator:
         state = self.inflight.get(rid) if rid else None
         if state is None:
             return  # unknown, finished, or from an attempt the request migrated away from
-        state.last_progress = received = time.monotonic()
+        if envelope is not self._envelope:  # a new bus message: its items (a decoder's batch) share its arrival
+            self._envelope, self._envelope_at = envelope, time.monotonic()
+        state.last_progress = received = self._envelope_at
         if isinstance(message, ErrorReply):
             outcome = failover.on_error(state, message, self.wan, self.registry)
             if outcome is not None:
@@ -278,15 +283,16 @@ class Orchestrator:
                                             logprobs=first_logprobs)
         else:
             assert isinstance(message, TokenChunk)
-            state.meta.update(message.meta)
+            if message.meta:
+                state.meta.update(message.meta)
             emission = state.tracker.accept(message.role, message.start, message.token_ids, message.finish_reason,
                                             message.owner_until, logprobs=message.logprobs)
         tokens, logprobs = emission.token_ids, emission.logprobs
-        holds_first = self.config.router.first_token_after_kv and spec(state.route.pipeline).crosses_wan
-        if holds_first and not emission.finish_reason:
-            if len(tokens) == 1 and state.tracker.next_position == 1 and not state.flushed and not state.held:
-                state.held, state.held_logprobs = tokens, logprobs  # conventional PD: the first token waits
-                return
+        if not state.flushed and not state.held and not emission.finish_reason and len(tokens) == 1 \
+                and state.tracker.next_position == 1 and self.config.router.first_token_after_kv \
+                and spec(state.route.pipeline).crosses_wan:
+            state.held, state.held_logprobs = tokens, logprobs  # conventional PD: the first token waits
+            return
         if state.held:
             tokens, state.held = state.held + tokens, []
             logprobs, state.held_logprobs = state.held_logprobs + logprobs, []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdd.shared.pipelines import Pipeline, spec
+from pdd.shared.pipelines import Pipeline, PipelineSpec, spec
 from pdd.shared.protocol import TokenLogprobs
 from pdd.shared.roles import Role
 
@@ -35,14 +35,27 @@ class OwnershipTracker:
     _pending: dict[int, int] = field(default_factory=dict)
     _pending_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # the owner's, beside its token
     _waiting_md: list[tuple[int, list[int], str | None, list[TokenLogprobs]]] = field(default_factory=list)
+    _spec: PipelineSpec = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._spec = spec(self.pipeline)
 
     def owns(self, role: Role, position: int) -> bool | None:
         """True/False, or None when it cannot be decided yet (MD before the relay's boundary)."""
-        return spec(self.pipeline).owns(role, position, self.relay_until)
+        return self._spec.owns(role, position, self.relay_until)
 
     def accept(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None = None,
                owner_until: int | None = None, logprobs: list[TokenLogprobs] | None = None) -> Emission:
         """``logprobs``: empty, or one per token id; they travel with their tokens."""
+        n = len(token_ids)
+        if (start == self.next_position and n and finish_reason is None and owner_until is None
+                and self.finish_at is None and not self._pending and not self._waiting_md
+                and self._owns_all(role, start, n)):
+            # the common case, once per token of every stream: the next positions, from their owner, nothing held
+            self.next_position = start + n
+            if role == Role.RELAY:
+                self.relay_tokens += n
+            return Emission(list(token_ids), None, list(logprobs) if logprobs and len(logprobs) == n else [])
         if role == Role.RELAY and owner_until is not None and self.relay_until is None:
             self.relay_until = owner_until
             waiting, self._waiting_md = self._waiting_md, []
@@ -50,6 +63,12 @@ class OwnershipTracker:
                 self._take(Role.MAIN_DECODE, w_start, w_ids, w_finish, w_logprobs)
         self._take(role, start, token_ids, finish_reason, list(logprobs or []))
         return self._flush()
+
+    def _owns_all(self, role: Role, start: int, n: int) -> bool:
+        """Whether ``role`` owns every position of [start, start + n): a role's positions are one interval
+        (``PipelineSpec.owns``), so its ends decide."""
+        own, until = self._spec.owns, self.relay_until
+        return own(role, start, until) is True and (n == 1 or own(role, start + n - 1, until) is True)
 
     def _take(self, role: Role, start: int, token_ids: list[int], finish_reason: str | None,
               logprobs: list[TokenLogprobs]) -> None:

@@ -118,6 +118,9 @@ class StreamReport:
                 metrics.PREFILL_TIME.labels(self.model).observe(now - self.submitted)
             gaps = metrics.itl_observations(0.0, count)[1:]  # positions arriving with the first token
             self.span.add_event("first_token")
+        elif count == 1:  # nearly every call: one token, one observation
+            gaps = ()
+            self._itl.observe(now - (self.last if self.last is not None else now))
         else:
             gaps = metrics.itl_observations(now - (self.last if self.last is not None else now), count)
         for gap in gaps:

@@ -6,6 +6,7 @@ import asyncio
 import socket
 from typing import Any
 
+from pdd.router import detokenize
 from pdd.router.orchestrator import Orchestrator
 from pdd.router.registry import Registry
 from pdd.router.types import Generation, GenerationRequest
@@ -70,6 +71,7 @@ class RouterService(Service):
         from pdd.shared.tokenizer import load_tokenizer
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, resolve_model_path(self.config.model.path))
+        await asyncio.to_thread(detokenize.prepare, self.tokenizer)  # its byte tables: not in the first request
         await self._start_api()
 
     async def _start_api(self) -> None:

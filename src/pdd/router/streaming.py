@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import anyio
 
 from pdd.router.detokenize import IncrementalDetokenizer
-from pdd.router.types import Generation, GenerationError, TokenEvent
+from pdd.router.types import EventQueue, Generation, GenerationError, TokenEvent
 from pdd.shared.protocol import TokenLogprobs
 from pdd.shared.telemetry import get_logger
 
@@ -52,7 +53,8 @@ _EXPIRED = _Expired()
 
 class BackendStream:
     """Owns one generation: its events in one queue, its producer closed exactly once. A ``Generation`` fills the
-    queue itself; an async generator is iterated into it by a pump task."""
+    queue itself; an async generator is iterated into it by a pump task. ``attach`` hands the queue's items to a
+    consumer from then on (the SSE writer), instead of ``next``."""
 
     def __init__(self, source: AsyncIterator[TokenEvent] | Generation, request_id: str, deadline_unix: float):
         """``deadline_unix``: the request's; ``DEADLINE_GRACE_S`` after it the consumer gets a 504 whatever the
@@ -63,10 +65,14 @@ class BackendStream:
             self._queue, self._task = source.events, source.task
         else:
             self._agen = source
-            self._queue = asyncio.Queue()  # unbounded: put never blocks the pump
+            self._queue = EventQueue()  # unbounded: put never blocks the pump
             self._task = asyncio.create_task(self._pump(), name=f"pdd-gen-{request_id}")
         self._expiry = asyncio.get_running_loop().call_later(
             max(0.0, deadline_unix + DEADLINE_GRACE_S - time.time()), self._queue.put_nowait, _EXPIRED)
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
 
     async def _pump(self) -> None:
         try:
@@ -89,16 +95,7 @@ class BackendStream:
 
     async def next(self) -> TokenEvent | None:
         """The next event; None when the generator ended without a final event."""
-        item = self._stash.pop() if self._stash else await self._queue.get()
-        if item is _EXPIRED:
-            raise GenerationError(504, "timeout", "the request exceeded its deadline")
-        if item is _DISCONNECTED:
-            raise ClientDisconnected()
-        if item is _END:
-            return None
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return as_event(self._stash.pop() if self._stash else await self._queue.get())
 
     def next_ready(self) -> TokenEvent | None:
         """The next event if it is already queued and carries no logprobs, else None (without waiting); an end,
@@ -111,6 +108,14 @@ class BackendStream:
             self._stash.append(item)
             return None
         return item
+
+    def attach(self, consumer: Callable[[Any], None]) -> None:
+        """From now on every item (events, errors, the end, a disconnect, the deadline) goes to ``consumer`` in the
+        producer's call, the ones already queued first; read them with ``as_event``. ``next`` is not used after."""
+        stash, self._stash = self._stash, []
+        for item in stash:
+            consumer(item)
+        self._queue.attach(consumer)
 
     async def close(self) -> None:
         """Stop the generation (no-op when it ended); waits for the backend's cleanup, shielded."""
@@ -125,6 +130,27 @@ class BackendStream:
             elif not self._task.cancelled() and self._task.exception() is not None:
                 log.warning("backend_close_error", request_id=self._request_id,
                             error_type=type(self._task.exception()).__name__)
+
+
+def as_event(item: Any) -> TokenEvent | None:
+    """A queued item as the event it is: None for the end of a generator without a final event; the deadline,
+    a disconnect or the backend's error raise (GenerationError 504, ClientDisconnected, the error)."""
+    if isinstance(item, TokenEvent):
+        return item
+    if item is _EXPIRED:
+        raise GenerationError(504, "timeout", "the request exceeded its deadline")
+    if item is _DISCONNECTED:
+        raise ClientDisconnected()
+    if item is _END:
+        return None
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
+def is_disconnect(item: Any) -> bool:
+    """Whether a queued item says the client went away (acted on at once, ahead of queued tokens)."""
+    return item is _DISCONNECTED
 
 
 async def watch_disconnect(receive: Any, stream: BackendStream) -> None:
@@ -149,50 +175,110 @@ class Delta:
     received: float = 0.0  # when its oldest token came off the bus (time.monotonic(); 0: unknown)
 
 
-async def text_deltas(stream: BackendStream, detok: IncrementalDetokenizer, max_tokens: int) -> AsyncIterator[Delta]:
-    """Backend events -> text deltas; ends on the backend's finish, a stop string, or max_tokens. Events already
-    queued behind the one awaited (tokens that arrived together, e.g. while the router caught up) make one
-    delta, so one SSE event: its token count tells the client how many output positions it carries."""
-    count = 0
-    info: dict = {}
+class DeltaBuilder:
+    """Backend events -> text deltas, the one rule of both response paths: a delta gathers consecutive events
+    until the output ends (the backend's finish, a stop string, ``max_tokens``) or an event carries logprobs
+    (an event with logprobs starts a delta of its own, ``must_start``); its token count tells the client how
+    many output positions it carries."""
+
+    def __init__(self, detok: IncrementalDetokenizer, max_tokens: int):
+        self._detok = detok
+        self._max_tokens = max_tokens
+        self.count = 0  # output tokens taken so far
+        self._info: dict = {}
+        self._open = False
+        self._parts: list[str] = []
+        self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] = []
+        self._finish: str | None = None
+        self._received = 0.0
+
+    @property
+    def open(self) -> bool:
+        """Whether a delta holds events not taken yet."""
+        return self._open
+
+    def must_start(self, event: TokenEvent) -> bool:
+        """Whether ``event`` cannot join the open delta (it carries logprobs): take that one first."""
+        return self._open and bool(event.logprobs)
+
+    def add(self, event: TokenEvent) -> bool:
+        """Add the event's tokens to the open delta; True when the delta is complete (take it now)."""
+        if not self._open:
+            self._open, self._received = True, event.received
+        if event.info:
+            self._info = {**self._info, **event.info}
+        ids = event.token_ids
+        if len(ids) == 1 and event.finish_reason is None and self.count + 1 < self._max_tokens:
+            # nearly every event of a stream: one token that cannot end the output by its count
+            self.count += 1
+            step = self._detok.add(int(ids[0]))
+            self._parts.append(step.text)
+            self._token_ids.append(ids[0])
+            if len(event.logprobs) == 1:
+                self._logprobs.append(event.logprobs[0])
+            if step.stopped:
+                self._finish = "stop"
+                return True
+            return bool(event.logprobs)
+        return self._add_many(event)
+
+    def _add_many(self, event: TokenEvent) -> bool:
+        detok, max_tokens, parts = self._detok, self._max_tokens, self._parts
+        finish: str | None = None
+        taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
+        ids = event.token_ids
+        last = len(ids) - 1
+        for n, token_id in enumerate(ids):
+            self.count += 1
+            taken += 1
+            ends = n == last and event.finish_reason == "stop"  # the event's last token may be a stop token
+            step = detok.add_last(int(token_id)) if ends else detok.add(int(token_id))
+            parts.append(step.text)
+            if step.stopped:
+                finish = "stop"
+                break
+            if self.count >= max_tokens:
+                break
+        if finish is None and event.finish_reason is not None:
+            finish = event.finish_reason
+        elif finish is None and self.count >= max_tokens:
+            finish = "length"  # the backend overran max_tokens; it gets closed by the caller
+        self._token_ids.extend(ids[:taken] if taken < len(ids) else ids)
+        if len(event.logprobs) == len(ids):
+            self._logprobs.extend(event.logprobs[:taken])
+        self._finish = finish
+        return finish is not None or bool(event.logprobs)
+
+    def take(self) -> Delta:
+        """The open delta, closed (with the held-back text released when it ends the output)."""
+        finish = self._finish
+        if finish is not None and not self._detok.stopped:
+            self._parts.append(self._detok.finish())
+        delta = Delta("".join(self._parts), finish, self.count, self._info if finish else {}, self._token_ids,
+                      self._logprobs, self._received)
+        self._open, self._parts, self._token_ids, self._logprobs, self._finish = False, [], [], [], None
+        return delta
+
+    def unfinished(self, request_id: str) -> Delta:
+        """The last delta of a backend that ended without a final event: what is held back, finish "stop"."""
+        log.warning("backend_ended_without_finish", request_id=request_id)
+        return Delta(self._detok.finish(), "stop", self.count, self._info)
+
+
+async def text_deltas(stream: BackendStream, builder: DeltaBuilder) -> AsyncIterator[Delta]:
+    """Backend events -> text deltas (``DeltaBuilder``'s rule). Events already queued behind the one awaited
+    (tokens that arrived together, e.g. while the router caught up) make one delta, so one SSE event."""
     while True:
         event: TokenEvent | None = await stream.next()
         if event is None:
-            log.warning("backend_ended_without_finish", request_id=stream._request_id)
-            yield Delta(detok.finish(), "stop", count, info)
+            yield builder.unfinished(stream.request_id)
             return
-        parts: list[str] = []
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs] = []
-        finish: str | None = None
-        received = event.received
-        while event is not None:
-            info = {**info, **(event.info or {})}
-            taken = 0  # tokens of this event that count (a stop string or max_tokens may cut it short)
-            last = len(event.token_ids) - 1
-            for n, token_id in enumerate(event.token_ids):
-                count += 1
-                taken += 1
-                ends = n == last and event.finish_reason == "stop"  # the event's last token may be a stop token
-                step = detok.add_last(int(token_id)) if ends else detok.add(int(token_id))
-                parts.append(step.text)
-                if step.stopped:
-                    finish = "stop"
-                    break
-                if count >= max_tokens:
-                    break
-            if finish is None and event.finish_reason is not None:
-                finish = event.finish_reason
-            elif finish is None and count >= max_tokens:
-                finish = "length"  # the backend overran max_tokens; it gets closed by the caller
-            token_ids.extend(event.token_ids[:taken])
-            if len(event.logprobs) == len(event.token_ids):
-                logprobs.extend(event.logprobs[:taken])
-            if finish is not None or event.logprobs:
-                break
+        while not builder.add(event):
             event = stream.next_ready()
-        if finish is not None and not detok.stopped:
-            parts.append(detok.finish())
-        yield Delta("".join(parts), finish, count, info if finish else {}, token_ids, logprobs, received)
-        if finish is not None:
+            if event is None:
+                break
+        delta = builder.take()
+        yield delta
+        if delta.finish_reason is not None:
             return

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdd.shared.pipelines import HandoffMode, Pipeline
 from pdd.shared.protocol import SamplingSpec, TokenLogprobs
@@ -42,11 +44,32 @@ class TokenEvent:
     received: float = 0.0  # time.monotonic() when the router took these tokens off the bus (0: not from the bus)
 
 
+class EventQueue(asyncio.Queue):
+    """A generation's events. Until a consumer is attached it is a plain queue (the HTTP layer awaits the first
+    event, so an early error still gets a real HTTP status); once attached, ``put_nowait`` hands each item straight
+    to the consumer, in the producer's call (the bus callback): no queue and no task switch per token."""
+
+    _consumer: Callable[[Any], None] | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        consumer = self._consumer
+        if consumer is None:
+            super().put_nowait(item)
+        else:
+            consumer(item)
+
+    def attach(self, consumer: Callable[[Any], None]) -> None:
+        """Hand the items already queued, in order, then every later one to ``consumer``, which must not raise."""
+        while not self.empty():
+            consumer(self.get_nowait())
+        self._consumer = consumer
+
+
 @dataclass
 class Generation:
-    """A generation whose producer fills the consumer's queue itself (the orchestrator: from the bus callback), so
-    a token costs the HTTP layer one task switch. ``events`` carries TokenEvents (the last with finish_reason), or
-    an exception instance; cancelling ``task`` stops the generation and cancels the request everywhere."""
+    """A generation whose producer fills the consumer's queue itself (the orchestrator: from the bus callback).
+    ``events`` carries TokenEvents (the last with finish_reason), or an exception instance; cancelling ``task``
+    stops the generation and cancels the request everywhere."""
 
-    events: asyncio.Queue
+    events: EventQueue
     task: asyncio.Task

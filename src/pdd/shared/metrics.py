@@ -71,8 +71,8 @@ RLD_TOKENS = Counter("pdd:rld_tokens_total", "Output tokens emitted by relay dec
 PIPELINE = Counter("pdd:pipeline_requests_total", "Pipeline chosen per request", ["pipeline", "reason"])
 HANDOFF = Counter("pdd:handoff_total", "Relay to main-decode handoffs", ["mode"])
 ROUTER_TOKEN_DELAY = Histogram(
-    "pdd:router_token_delay_seconds", "Time a streamed token spends in the router: off the bus until its SSE event "
-    "goes to the HTTP server (per event, its oldest token)",
+    "pdd:router_token_delay_seconds", "Time a streamed token spends in the router: from when the router began taking "
+    "the bus message that carried it until its SSE event is written (per event, its oldest token)",
     buckets=(0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0))
 HANDOFF_STALL = Histogram("pdd:handoff_stall_seconds",
                           "Longest gap between tokens around the ownership switch relay -> MD", buckets=_LATENCY)
