@@ -131,6 +131,20 @@ def tokenizer(tiny_model):
     return load_tokenizer(tiny_model)
 
 
+@pytest.fixture(scope="module")
+def nats_url():
+    """A nats-server of this module's own: the played engines answer as p-0, rld-0 and md-0, and the session's
+    systems (tests/e2e) have real instances of those names on the session's server, whose first tokens would
+    race the played ones."""
+    from pdd.launch.natsserver import start_nats_server
+
+    server = start_nats_server()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 async def router(nats_url, tokenizer) -> AsyncIterator[tuple[str, Orchestrator, _Engines]]:
     """The router's orchestrator and HTTP API (uvicorn, httptools) on a real bus; yields its URL, the orchestrator
