@@ -231,6 +231,19 @@ def engines_idle(system) -> dict[str, dict]:
     return out
 
 
+def wait_no_kv_held(system, timeout_s: float, what: str) -> None:
+    """Until no engine runs, queues or holds a KV block beyond its cache; fails naming the busy ones."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = engines_idle(system)
+        busy = {k: v for k, v in state.items()
+                if v["running"] or v["waiting"] or v["free_blocks"] + v["cached_blocks"] != v["total_blocks"]}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"{what}: KV still held: {busy}"
+        time.sleep(0.2)
+
+
 def test_client_disconnect_cancels_and_frees_kv_everywhere(system):
     for pipeline in ROUTABLE:
         body = body_for(list(range(20, 120)), pipeline, HandoffMode.CATCH_UP if spec(pipeline).hands_over else None,
@@ -245,15 +258,7 @@ def test_client_disconnect_cancels_and_frees_kv_everywhere(system):
                         got += 1
                     if got >= 3:
                         break  # hang up mid-stream
-        deadline = time.monotonic() + 15
-        while True:
-            state = engines_idle(system)
-            busy = {k: v for k, v in state.items()
-                    if v["running"] or v["waiting"] or v["free_blocks"] + v["cached_blocks"] != v["total_blocks"]}
-            if not busy:
-                break
-            assert time.monotonic() < deadline, f"{pipeline}: KV not freed after disconnect: {busy}"
-            time.sleep(0.2)
+        wait_no_kv_held(system, 15, f"{pipeline}, after the client disconnected")
 
 
 def test_benchmark_client_times_every_output_position(system):

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
 
 from pdd.shared.pipelines import Pipeline
-from tests.e2e.test_pipelines import body_for, engines_idle, wait_for_spans
+from tests.e2e.test_pipelines import body_for, wait_for_spans, wait_no_kv_held
 
 PROMPT_TOKENS = 900  # two prefill chunks of the torch engine's 512
 ATTEMPTS = 3  # the first chunk goes out at once only if MD's import plan is back by then (a NATS round trip)
@@ -65,21 +64,13 @@ def test_hanging_up_mid_transfer_leaves_no_kv_anywhere(system):
         async with httpx.AsyncClient(timeout=60) as client:
             try:
                 await asyncio.wait_for(client.post(system.base_url + "/v1/completions", json=body), delay_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def run() -> None:
         await asyncio.gather(*(hang_up_after(d, 100 + i) for i, d in enumerate((0.02, 0.05, 0.1, 0.2, 0.4))))
     asyncio.run(run())
-    deadline = time.monotonic() + 20
-    while True:
-        state = engines_idle(system)
-        busy = {k: v for k, v in state.items()
-                if v["running"] or v["waiting"] or v["free_blocks"] + v["cached_blocks"] != v["total_blocks"]}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"KV still held after the clients hung up: {busy}"
-        time.sleep(0.2)
+    wait_no_kv_held(system, 20, "after the clients hung up mid-transfer")
 
 
 @pytest.fixture(scope="module")
