@@ -68,7 +68,7 @@ import yaml
 
 from pdd.bench import pipelines as live
 from pdd.bench import pipelines_trace as trace_mode
-from pdd.loadgen.stats import Bisection, highest_passing, mean_ci95
+from pdd.loadgen.stats import Bisection, highest_passing, mean_ci95, pct
 from pdd.loadgen.workload import WORDS, Workload, agentic_sessions
 from pdd.engine.emulated_backend import profile as emulation
 from pdd.launch import emulate
@@ -643,8 +643,8 @@ def kv_ready_lag(spans: list[dict], link: emulate.EmulatedLink, chunk_tokens: in
             isolated.append(ratios[-1])
 
     def quantiles(vals: list[float]) -> dict[str, Any]:
-        return {"p50": round(float(np.percentile(vals, 50)), 3) if vals else None,
-                "p90": round(float(np.percentile(vals, 90)), 3) if vals else None, "requests": len(vals)}
+        return {"p50": round(pct(vals, 50), 3) if vals else None, "p90": round(pct(vals, 90), 3) if vals else None,
+                "requests": len(vals)}
     return {**quantiles(ratios), "isolated": quantiles(isolated), "min_chunks": min_chunks,
             "chunk_tokens": chunk_tokens}
 

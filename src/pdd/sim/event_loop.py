@@ -326,7 +326,7 @@ def _transfer_ops(run: _Run):
         skip = max(0.0, new - nbytes / kvb)  # leading computed tokens the receiver holds already
 
         def prefill_s(k: float) -> float:
-            return (pc.p0 + pc.p_tok * k + pc.p_attn * k * (hit + k / 2)) * noise_l[rid]
+            return pc.prefill_time(k, hit) * noise_l[rid]
         first_end = min(new, (int(skip) // chunk + 1) * chunk)
         last = new - ((new - 1) // chunk) * chunk
         return ready - prefill_s(new) + prefill_s(first_end), min(nbytes, last * kvb)
