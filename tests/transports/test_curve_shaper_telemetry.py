@@ -196,14 +196,17 @@ async def test_a_cancelled_shaped_send_reports_the_layers_that_crossed() -> None
         await shaped.close()
 
 
-async def test_a_cancelled_zmq_send_hands_no_more_frames_to_the_socket() -> None:
-    """A cancelled send (the relay finished the request first) stops at the next frame boundary: the frames not
-    yet handed to the socket never cross the WAN, where before the send ran to its end behind its shield."""
+@pytest.mark.parametrize("plugin", [p for p in PLUGINS if getattr(p, "values", [p])[0] in ("zmq", "ucx")])
+async def test_a_cancelled_send_hands_no_more_frames_to_the_link(plugin: str) -> None:
+    """A cancelled send (the relay finished the request first) stops at the next frame (zmq) or batch (ucx)
+    boundary: what was not yet handed to the link never crosses, where before the send ran to its end behind
+    its shield."""
     layout = layout_for(layers=8)
     blocks = list(range(20))
     total = 2 * len(blocks) * layout.num_layers * layout.bytes_per_block_per_tensor
-    one_frame = layout.bytes_per_block_per_tensor  # a frame each, one unacknowledged per stream: ~320 round trips
-    async with Pair("zmq", layout, sender_opts={"max_frame_bytes": one_frame, "window_bytes": one_frame}) as pair:
+    one_frame = layout.bytes_per_block_per_tensor  # a frame each, one unacknowledged at a time: ~320 round trips
+    opts = {"max_frame_bytes": one_frame, "window_bytes": one_frame, "batch_bytes": one_frame}
+    async with Pair(plugin, layout, sender_opts=opts) as pair:
         pair.receiver.expect("stop", blocks, timeout_s=10.0)
         progress = SendProgress()
         send = asyncio.create_task(pair.sender.send(pair.peer, "stop", blocks, blocks, progress=progress))

@@ -21,6 +21,10 @@ class ExportMoved(RuntimeError):
     overwritten, so the transfer fails and the fallback runs."""
 
 
+class ExportEnded(RuntimeError):
+    """The request ended (finished at prefill, failed or cancelled) while a destination still waited for blocks."""
+
+
 class PromptExport:
     """The prompt blocks whose KV is final so far; ``done`` once the prefill has finished."""
 
@@ -46,6 +50,14 @@ class PromptExport:
         if done and self.error is None and len(self.blocks) != self.total_blocks:
             self.error = ExportMoved(f"the prefill ended with {len(self.blocks)} blocks, {self.total_blocks} expected")
         self.done = self.done or done
+        self._notify()
+
+    def close(self) -> None:
+        """The request ended: every sender still waiting for blocks stops. Cancelling the senders is not enough
+        on its own: a task whose cancellation was swallowed below it (Python 3.11's ``wait_for``) would wait here
+        for blocks that never come, and P would hold the prompt's KV forever."""
+        self.error = self.error or ExportEnded("the request ended before its KV was sent")
+        self.done = True
         self._notify()
 
     def ready(self) -> list[int]:

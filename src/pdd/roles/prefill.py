@@ -187,10 +187,16 @@ class PrefillService(EngineService):
             self.runner.unwatch(rid)
             # shielded: a Cancel arriving while this runs (the router's, once the request ended) must not skip
             # the release, or the prompt's blocks stay held forever
-            await asyncio.shield(self._end_export(rid, [*sends, *plans.values()], held))
+            await asyncio.shield(self._end_export(rid, export, first, [*sends, *plans.values()], held))
 
-    async def _end_export(self, rid: str, tasks: list[asyncio.Task], held: bool) -> None:
-        """Stop the request's sends, then free its KV: into P's radix cache once prefilled, else dropped."""
+    async def _end_export(self, rid: str, export: PromptExport, first: asyncio.Future[int],
+                          tasks: list[asyncio.Task], held: bool) -> None:
+        """Stop the request's sends, then free its KV: into P's radix cache once prefilled, else dropped.
+
+        What a sender may wait on ends too (the export, the first token), so a sender that missed its
+        cancellation still stops and the release below is never stuck behind it."""
+        export.close()
+        first.cancel()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)  # no send may read the blocks once they are freed

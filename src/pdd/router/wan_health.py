@@ -137,10 +137,10 @@ class WanProbe:
                 request_id=probe_id, prompt_ids=prompt, sampling=SamplingSpec(max_tokens=2, ignore_eos=True),
                 pipeline=Pipeline.P_MD, events_subject=self.events_subject, deadline_unix=time.time() + timeout,
                 md_instance=decode_id))
-            # shielded: on timeout wait_for cancels what it waits on, and a cancelled ``done`` would make
+            # shielded: on timeout the wait cancels what it waits on, and a cancelled ``done`` would make
             # ``done.result()`` below raise CancelledError out of the probe (which ended the prober for good)
-            ok = await asyncio.wait_for(asyncio.shield(done), timeout)
-            return ok
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(done)
         except asyncio.TimeoutError:
             log.info("wan_probe_failed", decode=decode_id, probe=probe_id, via=prefill.instance_id,
                      reason=f"no token from {decode_id} within {timeout:g}s")

@@ -321,7 +321,8 @@ class Bus:
             return timeout
         t0 = time.monotonic()
         try:
-            await asyncio.wait_for(self._open.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._open.wait()
         except asyncio.TimeoutError:
             return 0.0
         return max(0.0, timeout - (time.monotonic() - t0))
@@ -334,12 +335,19 @@ class Bus:
         left = await self._sendable(timeout)
         if left <= 0:
             raise BusError("timeout", f"NATS unreachable: {subject} not sent within {timeout:.1f}s", retryable=True)
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             msg = await self.nc.request(subject, message.encode(), timeout=left, headers=inject_headers())
         except NoRespondersError:
             raise BusError("no_responders", f"nobody serves {subject}", retryable=True) from None
         except (NatsTimeoutError, asyncio.TimeoutError):
             raise BusError("timeout", f"no reply on {subject} within {timeout:.1f}s", retryable=True) from None
+        if task is not None and task.cancelling() > cancels:
+            # nats-py waits with asyncio.wait_for, which on Python 3.11 returns a reply that lands together with a
+            # cancellation and drops the cancellation: the caller (P's prepare, cancelled because the request
+            # ended) then went on as if nothing happened, and everything awaiting it with it
+            raise asyncio.CancelledError()
         try:
             reply = protocol.decode(msg.data)
         except ProtocolError as exc:

@@ -74,7 +74,8 @@ class TransferHandle:
     async def wait(self) -> TransferStats:
         fut = asyncio.wrap_future(self._future)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, self._deadline - time.monotonic()))
+            async with asyncio.timeout(max(0.0, self._deadline - time.monotonic())):
+                return await asyncio.shield(fut)
         except asyncio.TimeoutError:
             self._on_timeout(self.request_id, self._future)
             return await fut  # now failed with TransferTimeout (or completed in the race)

@@ -150,7 +150,8 @@ class ShapedTransport(KVTransport):
             if time.monotonic() >= deadline:
                 raise PeerLostError(f"emulated WAN link down for {self.down_timeout_s}s", rid)
             try:
-                await asyncio.wait_for(self._up.wait(), 0.05)  # wakes at once on set_down(False)
+                async with asyncio.timeout(0.05):  # wakes at once on set_down(False)
+                    await self._up.wait()
                 if self.down_file:
                     await asyncio.sleep(0.05)  # the file is polled
             except asyncio.TimeoutError:

@@ -49,7 +49,7 @@ os.environ.setdefault("UCXPY_ENABLE_PYTHON_FUTURE", "1")
 
 from .base import KVTransport, Peer, SendProgress  # noqa: E402
 from .blocks import FramePlan  # noqa: E402
-from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferError  # noqa: E402
+from .errors import IncompatiblePeerError, PeerLostError, RemoteRejected, TransferCancelled, TransferError  # noqa: E402
 from .frames import MAX_HEADER_BYTES, OversizeFrame, error_class  # noqa: E402
 from .loop_thread import LoopThread  # noqa: E402
 from .window import AckWindow  # noqa: E402
@@ -253,7 +253,8 @@ class UcxTransport(KVTransport):
                 await ep.send(link_id.to_bytes(8, "big"))
                 wired = data_ep.send(bytearray(8), tag=data_tag(link_id, _WIREUP), force_tag=True)
                 reply = bytearray(_ACK.size)
-                await asyncio.wait_for(asyncio.gather(wired, ep.recv(reply)), max(0.1, deadline - loop.time()))
+                async with asyncio.timeout(max(0.1, deadline - loop.time())):
+                    await asyncio.gather(wired, ep.recv(reply))
                 link = _Link(ep, data_ep, link_id)
                 link.reader = asyncio.create_task(self._read_acks(link))
                 self._links.append(link)
@@ -307,13 +308,23 @@ class UcxTransport(KVTransport):
                            trace_context: dict | None, progress: SendProgress) -> int:
         if self._lt is None:
             raise PeerLostError("transport is closed", request_id)
-        # shielded: a caller's cancellation must not cut a frame in half on the wire (the link would
-        # stall for every later transfer); the send finishes or fails on its own, bounded by ack timeouts
-        return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
-                                                                 progress)))
+        # shielded: a caller's cancellation must not cut a batch in half on the wire (the link would
+        # stall for every later transfer); it stops the send at the next batch boundary instead, so the batches
+        # not yet posted never cross (a relay finished the request first: its KV is not needed)
+        stop = threading.Event()
+        link: _Link = peer.state
+        sending = self._lt.run(self._send_here(link, request_id, plans, trace_context, progress, stop))
+        try:
+            return await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it any more
+            stop.set()
+            if self._lt is not None:  # one waiting for window room sees the stop at once
+                self._lt.call(link.released.set)
+            raise
 
     async def _send_here(self, link: _Link, rid: str, plans: list[FramePlan], tc: dict | None,
-                         progress: SendProgress) -> int:
+                         progress: SendProgress, stop: threading.Event) -> int:
         def acknowledged(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None:
                 progress.crossed += f.result()
@@ -325,7 +336,11 @@ class UcxTransport(KVTransport):
             for batch in self._batches(plans):
                 frames = [self._build_frame(rid, plan, tc) for plan in batch]
                 nbytes = sum(p.nbytes for _, p in frames)
-                while link.inflight and link.inflight_bytes + nbytes > self.window_bytes:
+                while True:
+                    if stop.is_set():
+                        raise TransferCancelled("the sender cancelled the transfer", rid)
+                    if not (link.inflight and link.inflight_bytes + nbytes > self.window_bytes):
+                        break
                     link.released.clear()
                     await self._bounded(link.released.wait(), rid)
                 if link.reader is None or link.reader.done():
@@ -393,7 +408,8 @@ class UcxTransport(KVTransport):
 
     async def _bounded(self, aw: Any, rid: str) -> Any:
         try:
-            return await asyncio.wait_for(aw, self.ack_timeout_s)
+            async with asyncio.timeout(self.ack_timeout_s):
+                return await aw
         except asyncio.TimeoutError:
             raise PeerLostError(f"receiver made no progress for {self.ack_timeout_s}s", rid) from None
 
@@ -427,6 +443,7 @@ async def _unless_lost(receives: Any, lost: asyncio.Event) -> None:
 async def _quiet_close(ep: Any) -> None:
     try:
         if ep is not None and not ep.closed:
-            await asyncio.wait_for(ep.close(), 2.0)
+            async with asyncio.timeout(2.0):
+                await ep.close()
     except Exception:  # noqa: BLE001
         pass

@@ -340,7 +340,8 @@ class ZmqTransport(KVTransport):
             sock.connect(address)
             streams.append(stream)
         try:
-            await asyncio.wait_for(asyncio.gather(*(s.connected.wait() for s in streams)), self.connect_timeout_s)
+            async with asyncio.timeout(self.connect_timeout_s):
+                await asyncio.gather(*(s.connected.wait() for s in streams))
         except asyncio.TimeoutError:
             self._close_streams(streams)
             raise PeerLostError(f"no handshake with {address} within {self.connect_timeout_s}s "
@@ -411,10 +412,13 @@ class ZmqTransport(KVTransport):
         # stall for every later transfer); it stops the send at the next frame boundary instead, so the frames
         # not yet handed to the socket never cross (a relay finished the request first: its KV is not needed)
         stop = threading.Event()
+        sending = self._lt.run(self._send_here(peer.state, request_id, plans, trace_context, progress, stop))
         try:
-            return await asyncio.shield(self._lt.run(self._send_here(peer.state, request_id, plans, trace_context,
-                                                                     progress, stop)))
+            return await asyncio.shield(sending)
         except asyncio.CancelledError:
+            # the send ends on its own (TransferCancelled at the next frame, or the receiver's refusal): nobody
+            # reads that outcome any more, and asyncio must not log it as an error never retrieved
+            sending.add_done_callback(lambda f: f.cancelled() or f.exception())
             stop.set()
             if self._lt is not None:  # one waiting for window room sees the stop at once
                 self._lt.call(_wake_senders, peer.state)
