@@ -58,8 +58,11 @@ class EngineRunner:
         a cleanup call (``abort``, ``release``) in a cancelled task's ``finally`` must not be dropped,
         or the request's KV blocks stay allocated forever.
         """
-        loop = asyncio.get_running_loop()
-        return await asyncio.shield(loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs)))
+        return await asyncio.shield(self.queue(fn, *args, **kwargs))
+
+    def queue(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """``call`` from synchronous code (an output callback): queued now, so it lands before the next step."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
     def watch(self, rid: str, callback: OutputCallback) -> None:
         self._callbacks[rid] = callback

@@ -3,8 +3,12 @@
 Handoff is by token ids only. One-shot: stop, send every generated id. Catch-up: send the ids so
 far and keep decoding; MD extends them and acks; repeat until the relay is at most
 ``handoff_final_gap`` tokens ahead, then stop at a named position. The relay frees the request's
-KV right after it stops. Ownership: the relay owns output positions up to the boundary it names in
-its last TokenChunk (``owner_until``); MD owns every position after it.
+KV right after it stops. Ownership: the relay owns output positions up to the boundary it names
+(``owner_until``); MD owns every position after it.
+
+The relay names its boundary ``BOUNDARY_AHEAD`` tokens before it emits the last of them: the step already
+running, then one more. The router paces those last tokens (router/playout.py) so that the switch's pause
+(MD's hop and step, out of phase with the relay's) is spread over them instead of landing in one gap.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pdd.shared.protocol import HandoffAck, HandoffReady, HandoffTokens, Message
 from pdd.shared.roles import Role
 from pdd.shared.telemetry import get_logger
 
+BOUNDARY_AHEAD = 1  # steps the relay still runs after the one in flight once it decides to stop (see above)
+
 log = get_logger("pdd.relay")
 tracer = trace.get_tracer("pdd.relay")
 
@@ -37,7 +43,7 @@ class Relayed:
     mode: str | None = None
     md_next: int | None = None  # first position MD does not hold yet
     batches: int = 0
-    stopping: bool = False
+    stop_at: int | None = None  # the last position the relay emits, once named
     done: bool = False
 
 
@@ -75,13 +81,22 @@ class RelayService(DecoderService):
         if state.done:
             return
         inc = state.inc
-        inc.outputs.extend(out.token_ids)
+        ids, logprobs, finish = list(out.token_ids), out.logprobs or [], out.finish_reason
+        if state.stop_at is not None:  # past the named boundary: MD owns those positions
+            keep = max(0, state.stop_at + 1 - out.start_position)
+            if keep < len(ids):
+                ids, logprobs, finish = ids[:keep], logprobs[:keep], None
+            if not ids:
+                return
+        inc.outputs.extend(ids)
         self.post(inc.req.events_subject, TokenChunk(
             request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role, start=out.start_position,
-            token_ids=list(out.token_ids), finish_reason=out.finish_reason, logprobs=out.logprobs or [],
-            meta={"rld_tokens": len(inc.outputs) - 1, "kv_codec": inc.kv_codec} if out.finished else {}))
-        if out.finished:
-            self._finalize(state, finish_reason=out.finish_reason)
+            token_ids=ids, finish_reason=finish, logprobs=logprobs,
+            meta={"rld_tokens": len(inc.outputs) - 1, "kv_codec": inc.kv_codec} if finish else {}))
+        if finish:
+            self._finalize(state, finish_reason=finish)
+        elif state.stop_at is not None and len(inc.outputs) > state.stop_at:
+            self._stop_relaying(state)
 
     def _finalize(self, state: Relayed, finish_reason: str | None) -> None:
         """The relay is done with this request: tell MD (if any) what it holds and free the KV."""
@@ -116,12 +131,22 @@ class RelayService(DecoderService):
             "final": final})
         span.end()
 
-    async def _stop_relaying(self, state: Relayed) -> None:
-        """Stop decoding now; every token produced before the stop is ours and is handed over."""
-        state.stopping = True
+    def _stop_after_next(self, state: Relayed) -> None:
+        """Stop after the step in flight and ``BOUNDARY_AHEAD`` more, naming that boundary to the router now."""
+        inc = state.inc
+        state.stop_at = len(inc.outputs) + BOUNDARY_AHEAD  # the step in flight emits position len(outputs)
+        state.span.add_event("boundary_named", {"owner_until": state.stop_at})
+        self.post(inc.req.events_subject, TokenChunk(
+            request_id=inc.req.request_id, instance_id=self.instance_id, role=self.role, start=len(inc.outputs),
+            token_ids=[], owner_until=state.stop_at))
+
+    def _stop_relaying(self, state: Relayed) -> None:
+        """The boundary's token is out: stop decoding (the abort lands before the next step) and hand over."""
         rid = state.inc.req.request_id
-        await self.runner.call(self.engine.abort, rid)  # lands between steps: nothing is produced after it
         self.runner.unwatch(rid)
+        aborted = self.runner.queue(self.engine.abort, rid)
+        aborted.add_done_callback(lambda f: f.cancelled() or f.exception() is None or log.error(
+            "relay_abort_failed", request_id=rid, error=str(f.exception())))
         self._finalize(state, finish_reason=None)
 
     async def _on_handoff_ready(self, message: Message, _: Envelope | None) -> None:
@@ -140,7 +165,7 @@ class RelayService(DecoderService):
         state.mode = mode
         state.span.add_event("handoff_ready", {"pending": pending, "mode": mode})
         if mode == HandoffMode.ONE_SHOT.value:
-            await self._stop_relaying(state)
+            self._stop_after_next(state)
         else:
             self._send_batch(state)
 
@@ -157,11 +182,11 @@ class RelayService(DecoderService):
     async def _on_handoff_ack(self, message: Message, _: Envelope) -> None:
         assert isinstance(message, HandoffAck)
         state = self.relayed.get(message.request_id)
-        if state is None or state.done or state.stopping:
+        if state is None or state.done or state.stop_at is not None:
             return
         gap = len(state.inc.outputs) - (message.through_position + 1)
         if gap <= self.config.policy.handoff_final_gap:
-            await self._stop_relaying(state)
+            self._stop_after_next(state)
         else:
             self._send_batch(state)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdd.router.ownership import OwnershipTracker
+from pdd.router.playout import Playout
 from pdd.router.routing import Route
 from pdd.router.types import GenerationRequest
 from pdd.shared.protocol import Announce
@@ -45,3 +46,4 @@ class InFlight:
     last_progress: float = field(default_factory=time.monotonic)
     check_queued: bool = False  # a CHECK waits in ``control`` (the watchdog queues one at a time)
     finished: bool = False  # the last token went to the client
+    playout: Playout | None = None  # the relay's last tokens before a handover, paced (router/playout.py)

@@ -23,6 +23,7 @@ from pdd.router import failover, reporting
 from pdd.router.failover import WAN_ERRORS, WATCH_INTERVAL_S, Failure, HealthWatch
 from pdd.router.inflight import CHECK, InFlight
 from pdd.router.ownership import OwnershipTracker
+from pdd.router.playout import Playout
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
 from pdd.router.routing import NO_INSTANCE, Route, Routing
@@ -152,6 +153,8 @@ class Orchestrator:
             report = reporting.StreamReport(span, route.pipeline, arrival, model)
             state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id, report=report,
                              out=events)
+            state.playout = Playout(lambda tokens, logprobs: self._emit(state, tokens, None, logprobs,
+                                                                          time.monotonic()))
             self.inflight[state.attempt_id] = state
             metrics.IN_FLIGHT.labels(model).inc()
             at_deadline = asyncio.get_running_loop().call_later(  # one timer per request, none per token
@@ -182,6 +185,7 @@ class Orchestrator:
                 raise
             finally:
                 at_deadline.cancel()
+                state.playout.close()
                 self.inflight.pop(state.attempt_id, None)
                 metrics.IN_FLIGHT.labels(model).dec()
                 if not finished:
@@ -189,8 +193,12 @@ class Orchestrator:
 
     def _emit(self, state: InFlight, tokens: list[int], finish_reason: str | None, logprobs: list,
               received: float = 0.0) -> None:
-        """Tokens (and the finish) to the client's queue, counted by the request's report; the last ends the loop."""
-        state.report.tokens(state, len(tokens), time.monotonic())
+        """Tokens (and the finish) to the client's queue, counted by the request's report; the last ends the loop.
+        ``received``: when they came off the bus (a token the playout buffer held: when it was released)."""
+        now = time.monotonic()
+        state.report.tokens(state, len(tokens), now)
+        if state.playout is not None:
+            state.playout.emitted(now, len(state.flushed), len(tokens))
         state.flushed.extend(tokens)
         event = TokenEvent(tokens, finish_reason, logprobs=logprobs if len(logprobs) == len(tokens) else [],
                            received=received)
@@ -220,6 +228,7 @@ class Orchestrator:
     async def _migrate(self, state: InFlight, failure: Failure) -> None:
         """Move the request to healthy instances under a new attempt id, or fail it with a clear error."""
         rid = state.request.request_id
+        state.playout.flush()  # what it holds went to the client: part of the resume point
         if state.migrations >= self.config.router.max_migrations:
             raise GenerationError(503, "failover_exhausted", f"request {rid} failed after {state.migrations} "
                                   f"failover(s): {failure.code}: {failure.message}")
@@ -296,5 +305,11 @@ class Orchestrator:
         if state.held:
             tokens, state.held = state.held + tokens, []
             logprobs, state.held_logprobs = state.held_logprobs + logprobs, []
-        if tokens or emission.finish_reason:
-            self._emit(state, tokens, emission.finish_reason, logprobs, received)
+        if not tokens and not emission.finish_reason:
+            return
+        playout = state.playout
+        if not emission.finish_reason and playout.hold(tokens, logprobs, len(state.flushed) + playout.held,
+                                                       state.tracker.relay_until):
+            return  # the relay's last tokens before a handover: released paced (router/playout.py)
+        playout.flush()
+        self._emit(state, tokens, emission.finish_reason, logprobs, received)
