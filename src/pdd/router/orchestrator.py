@@ -23,7 +23,7 @@ from pdd.router import failover, reporting
 from pdd.router.failover import WAN_ERRORS, WATCH_INTERVAL_S, Failure, HealthWatch
 from pdd.router.inflight import CHECK, InFlight
 from pdd.router.ownership import OwnershipTracker
-from pdd.router.playout import Playout
+from pdd.router.playout import HandoverCosts, Playout
 from pdd.router.prefix_index import PrefixIndex
 from pdd.router.registry import Registry
 from pdd.router.routing import NO_INSTANCE, Route, Routing
@@ -57,6 +57,7 @@ class Orchestrator:
         self.routing = Routing(config, bus, registry, self.index, self.wan)
         self.health = HealthWatch(config, bus, registry)
         self.waiting = 0  # requests waiting for an instance of a role that has none live
+        self.handover_costs = HandoverCosts()  # what the playout buffers pace by (router/playout.py)
         self._watchdog: asyncio.Task | None = None
         self._envelope: Envelope | None = None  # the bus message whose items _on_event is taking now
         self._envelope_at = 0.0  # when the router began taking it (time.monotonic())
@@ -154,7 +155,7 @@ class Orchestrator:
             state = InFlight(req, route, OwnershipTracker(route.pipeline), attempt_id=req.request_id, report=report,
                              out=events)
             state.playout = Playout(lambda tokens, logprobs: self._emit(state, tokens, None, logprobs,
-                                                                          time.monotonic()))
+                                                                          time.monotonic()), self.handover_costs)
             self.inflight[state.attempt_id] = state
             metrics.IN_FLIGHT.labels(model).inc()
             at_deadline = asyncio.get_running_loop().call_later(  # one timer per request, none per token
@@ -307,9 +308,8 @@ class Orchestrator:
             logprobs, state.held_logprobs = state.held_logprobs + logprobs, []
         if not tokens and not emission.finish_reason:
             return
-        playout = state.playout
-        if not emission.finish_reason and playout.hold(tokens, logprobs, len(state.flushed) + playout.held,
-                                                       state.tracker.relay_until):
+        playout, start, boundary = state.playout, len(state.flushed) + state.playout.held, state.tracker.relay_until
+        if not emission.finish_reason and playout.hold(tokens, logprobs, start, boundary):
             return  # the relay's last tokens before a handover: released paced (router/playout.py)
-        playout.flush()
+        playout.flush(took_over=bool(tokens) and boundary is not None and start > boundary)
         self._emit(state, tokens, emission.finish_reason, logprobs, received)
