@@ -27,7 +27,61 @@ PDD's own figures (pipeline mix, WAN bytes, handoff, relay share, hit ratios) si
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
+from collections import deque
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
+
+
+class QueuedHistogram(Histogram):
+    """A histogram observed at token rate (ITL, the router's token delay): ``observe`` queues the value (a deque
+    append) and the queue is folded into the buckets and sum before any read of the series (a scrape, ``collect``)
+    and whenever it holds ``FOLD_AT`` values. A scrape shows exactly what ``Histogram`` would, at about a third of
+    its cost per value (``Histogram.observe`` takes two locks and walks the buckets in Python). No exemplars."""
+
+    FOLD_AT = 4096  # bounds the queue between scrapes (~150 KB)
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._queued: deque[float] = deque()
+        self._fold_lock = threading.Lock()
+
+    def observe(self, amount: float, exemplar: Any = None) -> None:
+        """Queue ``amount``; a labelled parent (no queue) refuses as ``Histogram`` does."""
+        try:
+            queued = self._queued
+        except AttributeError:
+            queued = None
+        if queued is None or exemplar is not None:
+            super().observe(amount, exemplar)
+            return
+        queued.append(amount)
+        if len(queued) >= self.FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        """Move the queued values into the buckets (``Histogram.observe``'s rule: the first bound >= the value)."""
+        with self._fold_lock:  # deque append/popleft are atomic: an observe in another thread is never lost
+            queued, bounds = self._queued, self._upper_bounds
+            counts, total = [0] * len(bounds), 0.0
+            for _ in range(len(queued)):
+                value = queued.popleft()
+                total += value
+                if not math.isnan(value):  # NaN: in the sum, in no bucket (as Histogram.observe)
+                    counts[bisect.bisect_left(bounds, value)] += 1
+            if total or any(counts):
+                self._sum.inc(total)
+            for bucket, count in zip(self._buckets, counts):
+                if count:
+                    bucket.inc(count)
+
+    def _child_samples(self) -> Any:
+        self.fold()
+        return super()._child_samples()
+
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
@@ -37,8 +91,8 @@ MODEL = "model_name"  # the served model name, the label every vLLM dashboard qu
 # Router (per request), vLLM's names
 TTFT = Histogram("pdd:time_to_first_token_seconds", "Time to first token (arrival at the router to the first "
                  "token sent to the client)", [MODEL, "pipeline"], buckets=_LATENCY)
-ITL = Histogram("pdd:inter_token_latency_seconds", "Inter-token latency per output token (a chunk of n tokens "
-                "records its gap once, then n - 1 zeros)", [MODEL, "pipeline"], buckets=_LATENCY)
+ITL = QueuedHistogram("pdd:inter_token_latency_seconds", "Inter-token latency per output token (a chunk of n "
+                      "tokens records its gap once, then n - 1 zeros)", [MODEL, "pipeline"], buckets=_LATENCY)
 E2E = Histogram("pdd:e2e_request_latency_seconds", "Request latency, arrival to last token", [MODEL, "pipeline"],
                 buckets=_LATENCY)
 TPOT = Histogram("pdd:request_time_per_output_token_seconds", "Per request: decode time / (output tokens - 1)",
@@ -70,7 +124,7 @@ IN_FLIGHT = Gauge("pdd:router_requests_in_flight", "Requests in flight at this r
 RLD_TOKENS = Counter("pdd:rld_tokens_total", "Output tokens emitted by relay decoders (eager tokens)")
 PIPELINE = Counter("pdd:pipeline_requests_total", "Pipeline chosen per request", ["pipeline", "reason"])
 HANDOFF = Counter("pdd:handoff_total", "Relay to main-decode handoffs", ["mode"])
-ROUTER_TOKEN_DELAY = Histogram(
+ROUTER_TOKEN_DELAY = QueuedHistogram(
     "pdd:router_token_delay_seconds", "Time a streamed token spends in the router: from when the router began taking "
     "the bus message that carried it until its SSE event is written (per event, its oldest token)",
     buckets=(0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0))

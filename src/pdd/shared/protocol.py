@@ -496,6 +496,9 @@ def _checker(hint: Any) -> Checker:
 
 
 _INT_ONLY = frozenset((int,))  # not bool: msgpack's true/false decode to bool, a subclass of int
+# Item hints whose checker passes a value of exactly these types through unchanged (a list of them needs no copy)
+_AS_IS = {int: _INT_ONLY, str: frozenset((str,)), bool: frozenset((bool,)), bytes: frozenset((bytes,)),
+          dict: frozenset((dict,))}
 
 
 def _make_checker(hint: Any) -> Checker:
@@ -527,10 +530,13 @@ def _make_checker(hint: Any) -> Checker:
                 return value
             return check_ints
         item = _checker(item_hint)
+        as_is = _AS_IS.get(item_hint)
 
         def check_list(value: Any, where: str) -> Any:
             if not isinstance(value, list):
                 raise ProtocolError("bad_field", f"{where}: expected a list, got {type(value).__name__}")
+            if as_is is not None and set(map(type, value)) <= as_is:  # a batch's items: no per-item call
+                return value
             return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
         return check_list
     if hint is dict or origin is dict:
@@ -617,6 +623,93 @@ def _build(cls: type, data: Any, where: str) -> Any:
     return _builder(cls)(data, where)
 
 
+# A fast builder for the messages that come at token rate, generated from the class's type hints (as dataclasses
+# generates __init__) and run before the strict builder above. It takes only the form senders write (every field
+# present, each value of exactly the type ``encode`` writes) and returns None for anything else, which then goes
+# to the strict builder. So it refuses nothing itself: every refusal, its code and message, is the strict
+# builder's, and what it accepts the strict builder accepts too, as the same message.
+_FAST_MEMO_MAX = 1024  # values a field check (``_FIELD_CHECKS``) has passed, remembered per field
+
+
+def _remember_valid(check: Callable[[str], str], seen: set[str], value: str) -> bool:
+    """Run a field's extra check once per distinct value: a stream's instance ids repeat in every message."""
+    try:
+        check(value)
+    except ValueError:
+        return False
+    if len(seen) >= _FAST_MEMO_MAX:
+        seen.clear()
+    seen.add(value)
+    return True
+
+
+def _fast_field(hint: Any, var: str, env: dict[str, Any]) -> list[str] | None:
+    """Source lines that leave ``var`` holding what the strict checker would return for it, or return None from
+    the fast builder; None here where the hint is not one the fast builder takes."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        inner = [a for a in args if a is not type(None)]
+        if len(args) != 2 or len(inner) != 1:
+            return None
+        lines = _fast_field(inner[0], var, env)
+        return None if lines is None else [f"if {var} is not None:", *("    " + line for line in lines)]
+    if hint in (str, bool, bytes, int, float, dict) or origin is dict:  # float: an int goes the strict way
+        return [f"if type({var}) is not {'dict' if origin is dict else hint.__name__}:", "    return None"]
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if item_hint is int:
+            return [f"if type({var}) is not list or not set(map(type, {var})) <= _INT_ONLY:", "    return None"]
+        return [f"if type({var}) is not list or {var}:", "    return None"]  # other items: only an empty list
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        env[f"{var}_members"] = {m.value: m for m in hint if type(m.value) is str}  # as the strict checker's
+        return [f"if type({var}) is not str:", "    return None",
+                f"{var} = {var}_members.get({var})", f"if {var} is None:", "    return None"]
+    return None
+
+
+def _fast_builder(cls: type) -> Callable[[Any], Any] | None:
+    """``cls``'s fast builder (above), or None where one of its fields' hints is not one it takes."""
+    hints = _hints(cls)
+    fields_ = [f for f in dataclasses.fields(cls) if f.name != "TYPE"]
+    if not all(f.init for f in fields_):
+        return None
+    env: dict[str, Any] = {"cls": cls, "_KEYS": frozenset(f.name for f in fields_), "_INT_ONLY": _INT_ONLY,
+                           "_remember_valid": _remember_valid}
+    body = ["if type(data) is not dict or data.keys() != _KEYS:", "    return None"]
+    for i, f in enumerate(fields_):
+        var = f"v{i}"
+        lines = _fast_field(hints[f.name], var, env)
+        if lines is None:
+            return None
+        body += [f"{var} = data[{f.name!r}]", *lines]
+        extra = _FIELD_CHECKS.get(f.name)
+        if extra is not None:
+            if hints[f.name] not in (str, str | None):
+                return None
+            env[f"{var}_check"], env[f"{var}_seen"] = extra, set()
+            body += [(f"if {var} is not None and {var} not in {var}_seen "
+                      f"and not _remember_valid({var}_check, {var}_seen, {var}):"), "    return None"]
+    args = ", ".join(f"v{i}" for i in range(len(fields_)))
+    body += ["try:", f"    return cls({args})", "except Exception:", "    return None  # the strict builder says why"]
+    source = "def fast(data):\n" + "".join(f"    {line}\n" for line in body)
+    exec(compile(source, f"<fast builder of {cls.__name__}>", "exec"), env)  # noqa: S102 (generated above)
+    return env["fast"]
+
+
+def _fast_builders(classes: tuple[type, ...]) -> dict[type, Callable[[Any], Any]]:
+    """The hot messages' fast builders; a hot message with a field the generator does not take fails the import."""
+    built = {cls: _fast_builder(cls) for cls in classes}
+    missing = [cls.__name__ for cls, fast in built.items() if fast is None]
+    if missing:
+        raise TypeError(f"no fast builder for {missing}: a field's type hint is not one _fast_field takes")
+    return typing.cast(dict[type, Callable[[Any], Any]], built)
+
+
+_FAST_BUILDERS = _fast_builders((TokenChunk,))  # the messages at token rate: one per token per stream
+_ENVELOPE_KEYS = frozenset(("v", "t", "d"))
+
+
 def decode(data: bytes, expect: type[Message] | tuple[type[Message], ...] | None = None,
            max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """Bytes -> message, or ProtocolError naming what is wrong."""
@@ -633,7 +726,7 @@ def decode(data: bytes, expect: type[Message] | tuple[type[Message], ...] | None
 
 def decode_envelope(envelope: Any, expect: type[Message] | tuple[type[Message], ...] | None = None) -> Message:
     """An unpacked envelope {v, t, d} -> message (``decode`` without the msgpack step; a ``Batch``'s items)."""
-    if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "d"}:
+    if not isinstance(envelope, dict) or envelope.keys() != _ENVELOPE_KEYS:
         raise ProtocolError("bad_frame", "expected an envelope {v, t, d}")
     if envelope["v"] != SCHEMA_VERSION:
         raise ProtocolError(
@@ -646,6 +739,9 @@ def decode_envelope(envelope: Any, expect: type[Message] | tuple[type[Message], 
         names = [c.TYPE for c in (expect if isinstance(expect, tuple) else (expect,))]
         raise ProtocolError("unexpected_type", f"got {cls.TYPE!r}, expected one of {names}")
     try:
+        fast = _FAST_BUILDERS.get(cls)
+        if fast is not None and (message := fast(envelope["d"])) is not None:
+            return message
         return _build(cls, envelope["d"], cls.TYPE)
     except ProtocolError:
         raise
