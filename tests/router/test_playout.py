@@ -76,7 +76,7 @@ def test_the_stretch_follows_the_handovers_seen() -> None:
     assert costs.stretch() == MAX_STRETCH
     for _ in range(10):
         costs.record(1.2)
-    assert abs(costs.stretch() - (2 + 1.2) / 3) < 1e-9
+    assert abs(costs.stretch() - (2 + 1.2) / 3) < 1e-9  # the 90th percentile of equal costs
     costs.record(0.1)
     assert costs.stretch() >= 1.0
     for _ in range(40):
@@ -92,6 +92,8 @@ async def test_main_decodes_arrival_records_the_handover_cost_once() -> None:
         playout.emitted(t + position * 0.02, position, 1)
     assert playout.hold([7], [], start=6, boundary=7)
     await asyncio.sleep(0.03)
-    playout.flush(took_over=True)
-    playout.flush(took_over=True)  # main decode's next tokens: nothing more to record
-    assert len(costs._costs) == 1 and costs._costs[0] >= 1.0  # 30 ms after the relay's last, in 20 ms gaps
+    playout.flush(took_over=True)  # ~1.5 gaps after the relay's last (more on a slow machine)
+    once = costs.stretch()
+    assert 1.0 < once
+    playout.flush(took_over=True)  # main decode's next tokens: nothing more to record (a second cost would move it)
+    assert costs.stretch() == once

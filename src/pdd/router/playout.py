@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from pdd.loadgen.stats import pct
 from pdd.shared.protocol import TokenLogprobs
 
 HOP_OVER_STEP = 0.15  # h above: the handover's hop over a decode step (spans of the emulated runs)
@@ -45,11 +46,8 @@ class HandoverCosts:
 
     def stretch(self) -> float:
         """Gaps between the held tokens' releases: the two relay gaps and the 90th-percentile cost in three."""
-        if not self._costs:
-            return MAX_STRETCH
-        ranked = sorted(self._costs)
-        p90 = ranked[min(len(ranked) - 1, int(0.9 * len(ranked)))]
-        return min(MAX_STRETCH, max(1.0, (2 + p90) / 3))
+        p90 = pct(list(self._costs), 90)
+        return MAX_STRETCH if p90 is None else min(MAX_STRETCH, max(1.0, (2 + p90) / 3))
 
 
 class Playout:
