@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from pdd.bench import pipelines_emulated as em
+from pdd.roles.kv_export import BLOCKS_FINAL_EVENT
 from pdd.sim.scenario import load_yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,6 +146,22 @@ def test_kv_ready_lag_is_judged_against_the_streamed_exports_bound() -> None:
     assert lag["isolated"]["requests"] == 0  # the two transfers overlap: each may have queued behind the other
     alone = em.kv_ready_lag(judged, link, chunk_tokens=100)["isolated"]
     assert alone["requests"] == 1 and alone["p50"] == lag["p50"]
+    # no step marked: the prompt's KV is final only at the prefill's end, so the floor is the whole send after it
+    assert lag["over_floor"]["p50"] == pytest.approx(4.0 / 5.2, abs=1e-3)
+    # chunks final every 0.4 s: the first can leave only at 0.4 s, so the last byte lands 5.4 s after the start,
+    # 3.4 s after the prefill's end: floor 0.2 + 3.4 (the bound misses the first chunk's compute)
+    start = judged[0]["start_ns"]
+    judged[0]["events"] = [{"name": BLOCKS_FINAL_EVENT, "ts_ns": start + int(0.4e9 * k), "attributes": {"tokens": 100 * k}}
+                           for k in range(1, 5)]
+    floor = em.kv_ready_lag(judged, link, chunk_tokens=100)["over_floor"]
+    assert floor["requests"] == 1 and floor["p50"] == pytest.approx(4.0 / 3.6, abs=1e-3)
+    # main decode holding the first 150 tokens: what crosses starts in the second chunk (final at 0.8 s) -> 3.5 MB
+    # from 0.8 s, 2.3 s past the end: floor 2.5; bound 0.2 + max(1.0, 3.5 - 2) = 1.7
+    judged[1]["attributes"]["cached_tokens_at_peer"] = 150
+    judged[1]["attributes"]["bytes"] = 3_500_000
+    partial = em.kv_ready_lag(judged, link, chunk_tokens=100)
+    assert partial["p50"] == pytest.approx(4.0 / 1.7, abs=1e-3)
+    assert partial["over_floor"]["p50"] == pytest.approx(4.0 / 2.5, abs=1e-3)
 
 
 # ---- --trace: a Mooncake trace replayed live beside the simulator with block chains ----------------------------

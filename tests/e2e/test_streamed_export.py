@@ -13,6 +13,7 @@ import random
 import httpx
 import pytest
 
+from pdd.roles.kv_export import BLOCKS_FINAL_EVENT
 from pdd.shared.pipelines import Pipeline
 from tests.e2e.test_pipelines import body_for, wait_for_spans, wait_no_kv_held
 
@@ -51,6 +52,9 @@ def test_kv_streams_while_the_prefill_runs(system, reference, pipeline):
         spans = spans_of(system, out["id"])
         wan, prefill = spans["kv.transfer.wan"], spans["prefill"]
         assert wan["attributes"]["blocks"] == -(-PROMPT_TOKENS // 16)  # MD had none of this prompt
+        # the span marks when each chunk's KV became final (the benchmark's KV-ready floor is computed from these)
+        assert [e["attributes"]["tokens"] for e in prefill.get("events") or []
+                if e["name"] == BLOCKS_FINAL_EVENT] == [512, PROMPT_TOKENS]
         if wan["attributes"]["sends"] >= 2 and wan["start_ns"] < prefill["end_ns"]:
             return
     pytest.fail(f"the KV never streamed: last transfer {wan['attributes']}, {wan['start_ns']=} "

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 from pdd.transports.base import TransferStats
 
+BLOCKS_FINAL_EVENT = "kv.blocks_final"
+"""The prefill span's event at each step that made more prompt blocks final, with ``tokens``: how many of the
+prompt's tokens have final KV by then. The KV-ready lag's floor is computed from these (bench/pipelines_emulated.py)."""
+
 
 class ExportMoved(RuntimeError):
     """The prompt's blocks changed under a streamed export (the request was preempted): what was sent may be

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pdd.engine import EngineInputError, StepOutput
+from pdd.roles.engine_runner import BlocksCallback
 from pdd.roles.engine_service import EngineService, sampling_params
-from pdd.roles.kv_export import LinkBusy, PromptExport, Sent
+from pdd.roles.kv_export import BLOCKS_FINAL_EVENT, LinkBusy, PromptExport, Sent
 from pdd.shared import metrics
 from pdd.shared.bus import BusError, Envelope
 from pdd.shared.links import KVLink
@@ -152,7 +153,7 @@ class PrefillService(EngineService):
                 # each destination's KV streams from the first finished chunk on, while later chunks compute
                 sends = [asyncio.create_task(self._transfer(req, d, plans[d.instance_id], export, first))
                          for d in dests]
-                self.runner.watch_blocks(rid, export.update)
+                self.runner.watch_blocks(rid, self._blocks_watcher(len(req.prompt_ids), export, span))
                 cached = await self.runner.call(self.engine.cached_prefix_len, req.prompt_ids)
                 token, first_logprobs, finish_reason = await self._prefill(req)
                 held = True
@@ -188,6 +189,16 @@ class PrefillService(EngineService):
             # shielded: a Cancel arriving while this runs (the router's, once the request ended) must not skip
             # the release, or the prompt's blocks stay held forever
             await asyncio.shield(self._end_export(rid, export, first, [*sends, *plans.values()], held))
+
+    def _blocks_watcher(self, prompt_tokens: int, export: PromptExport, span: trace.Span) -> BlocksCallback:
+        """After each step: the export learns the blocks now final; the span marks when more became final."""
+        block_size = self.engine.block_size
+
+        def update(blocks: list[int]) -> None:
+            if len(blocks) > len(export.blocks):
+                span.add_event(BLOCKS_FINAL_EVENT, {"tokens": min(len(blocks) * block_size, prompt_tokens)})
+            export.update(blocks)
+        return update
 
     async def _end_export(self, rid: str, export: PromptExport, first: asyncio.Future[int],
                           tasks: list[asyncio.Task], held: bool) -> None:
