@@ -85,7 +85,7 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
         [sys.executable, "-m", "pdd.bench.pipelines", "--backend", "emulated", "--model", tiny_model,
          "--scenario", scenario,
          "--output-tokens", "8", "--requests", "4", "--seeds", "1", "--rate", "4", "--goodput-requests", "4",
-         "--goodput-steps", "1", "--run-dir", str(tmp_path / "run")],
+         "--goodput-steps", "1", "--wan-codec", "fp8+lossless", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=230)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -113,11 +113,84 @@ def test_emulated_benchmark_end_to_end(scenario, tiny_model, tmp_path) -> None:
         assert report["setups"][name]["repeats"][0]["wan_bytes_metric"] > 0, name
         assert math.isfinite(report["setups"][name]["rel_err_wan_bytes_per_request"]), name
     assert report["wan_bytes_ratio_naive_over_pdd"] > 1 and report["sim_wan_bytes_ratio_naive_over_pdd"] > 1
+    # the codec (fp8+lossless here) is stated, and the goal's figure set beside the ratio at the same codec
+    codec = report["wan_codec"]
+    assert codec["codec"] == "fp8+lossless" and "real bf16 KV" in codec["source"] and "free" in codec["coding"]
+    assert "WAN codec: fp8+lossless" in out
+    for key in ("wan_bytes_ratio_naive_uncoded_over_pdd", "sim_wan_bytes_ratio_naive_uncoded_over_pdd"):
+        assert report[key] == pytest.approx(report[key.replace("_uncoded", "")] / codec["wire_ratio"], rel=1e-2), key
+    assert report["goals"]["wan_bytes_ratio_naive_uncoded_over_pdd"]["target"] == 20.0
     hit = report["workload_md_hit"]
     assert 0 < hit < 1 and report["wan_bytes_ratio_if_only_missing_kv"] == pytest.approx(1 / (1 - hit), rel=1e-3)
     assert {"pdd:P-MD", "pdd:P-RLD-MD"} & {f"pdd:{k}" for k in report["setups"]["pdd"]["repeats"][0]["pipeline_mix"]}
     lag = report["setups"]["pdd"]["kv_ready_lag_over_bound"]
     assert report["kv_ready_lag_over_bound_requests"] == lag["requests"] >= 0 and lag["min_chunks"] == 4
+
+
+def test_a_wan_codec_is_charged_at_its_measured_ratio_on_every_setup_that_crosses(scenario, tiny_model,
+                                                                                   tmp_path) -> None:
+    """Cheap: --wan-codec takes bench/codec.py's bf16 ratio; the live links run without a codec and their shapers
+    emulate it (cross-site setups only); the sim's link gets the same ratio, coding free in both; the offered rate
+    and the requests are those without the codec; the router assumes the link's KV rate."""
+    from pdd.bench.codec import MEASURED_BF16_RATIO
+
+    plans, configs = {}, {}
+    for codec in ("none", "fp8+lossless"):
+        args = em.parse_args(["--model", tiny_model, "--scenario", scenario, "--output-tokens", "8",
+                              "--wan-codec", codec])
+        (tmp_path / codec).mkdir()
+        plans[codec] = em.plan(args, tmp_path / codec)
+        configs[codec] = {n: em.setup_config(s, plans[codec], args, tmp_path / "spans")
+                          for n, s in em.live.SETUPS.items()}
+    plain, coded = plans["none"], plans["fp8+lossless"]
+    wire = 1 / MEASURED_BF16_RATIO["fp8+lossless"]
+    assert coded.codec["wire_ratio"] == pytest.approx(wire) and "real bf16 KV" in coded.codec["source"]
+    assert coded.rate == plain.rate and coded.link.rate_bits == plain.link.rate_bits
+    assert (coded.scn.wan.codec_wire_ratio, coded.scn.wan.codec_mb_s) == (pytest.approx(wire), 0.0)
+    assert plain.scn.wan.codec_wire_ratio == 1.0 and "wire_ratio" not in configs["none"]["pdd"]["transports"]["wan"][
+        "options"]["shape"]
+    for name, cfg in configs["fp8+lossless"].items():
+        wan = cfg["transports"]["wan"]
+        assert wan["codec"] == "none", name
+        crossing = name != "colocated"
+        assert wan["options"].get("shape", {}).get("wire_ratio") == (coded.link.wire_ratio if crossing else None)
+        assert cfg["policy"]["default_wan_gbps"] == pytest.approx(
+            configs["none"][name]["policy"]["default_wan_gbps"] / wire)
+    run = em.build_run(coded, 6, 0, em.parse_args(["--model", tiny_model, "--scenario", scenario]))
+    for name in ("naive", "pdd"):
+        setup = em.live.SETUPS[name]
+        coded_bytes = em.sim_figures(coded, setup, run, coded.rate, 1.0)[0]["wan_bytes"]
+        plain_bytes = em.sim_figures(plain, setup, run, plain.rate, 1.0)[0]["wan_bytes"]
+        assert plain_bytes > 0 and coded_bytes == pytest.approx(plain_bytes * wire, rel=0.1), name
+
+
+@pytest.mark.timeout(240)
+def test_a_wan_codec_sends_its_ratio_fewer_wan_bytes_live_and_in_sim(scenario, tiny_model, tmp_path) -> None:
+    """The same four requests over naive (it sends every prompt's whole KV: no route to vary) with no codec and with
+    fp8+lossless: P's WAN byte counter and the simulator's bytes both fall by the measured ratio."""
+    from pdd.bench.codec import MEASURED_BF16_RATIO
+
+    setup, wan = em.live.SETUPS["naive"], {}
+    for codec in ("none", "fp8+lossless"):
+        args = em.parse_args(["--model", tiny_model, "--scenario", scenario, "--output-tokens", "8", "--requests", "4",
+                              "--seeds", "1", "--rate", "4", "--setups", "naive", "--wan-codec", codec])
+        (tmp_path / codec).mkdir()
+        bench = em.Bench(args, tmp_path / codec)
+        run = bench.run_for(0, 4)
+        with em.live.setups_running(bench.systems):
+            system = bench.open(setup)
+            try:
+                results, _, live_bytes = bench.one_run(system, run, bench.plan.rate)
+            finally:
+                bench.close(system)
+        assert all(r.ok for r in results), [r.error for r in results]
+        sim = em.sim_figures(bench.plan, setup, run, bench.plan.rate, 1.0)[0]["wan_bytes"]
+        wan[codec] = (live_bytes * bench.plan.scale, sim, [r.prompt for r in run.planned])
+    assert wan["none"][2] == wan["fp8+lossless"][2]  # the same requests
+    ratio = MEASURED_BF16_RATIO["fp8+lossless"]
+    assert wan["none"][0] / wan["fp8+lossless"][0] == pytest.approx(ratio, rel=0.01)
+    assert wan["none"][1] / wan["fp8+lossless"][1] == pytest.approx(ratio, rel=1e-6)
+    assert wan["none"][0] == pytest.approx(wan["none"][1], rel=0.05)  # live reads the sim's modeled bytes
 
 
 def test_kv_ready_lag_is_judged_against_the_streamed_exports_bound() -> None:

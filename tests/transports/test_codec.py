@@ -323,6 +323,33 @@ async def test_shaper_charges_the_line_with_the_coded_bytes_and_hints_its_rate()
         await receiver.close()
 
 
+async def test_shaper_wire_ratio_emulates_a_codec_in_the_bytes_it_charges_and_counts() -> None:
+    """The emulated benchmark's codec: the link sends the KV uncoded, the shaper charges its line and reports wire_ratio
+    x the KV bytes (stats and SendProgress: the WAN byte counters), and refuses a link with a codec of its own."""
+    from pdd.transports.receive_side import SendProgress
+
+    sender = create_transport("inproc", {"shape": {"rate": "1gbit", "wire_ratio": 0.25}})
+    receiver = create_transport("inproc", {})
+    await sender.start()
+    await receiver.start()
+    try:
+        sender.register(LAYOUT_BF16, *kv_pool(LAYOUT_BF16, 8, 1))
+        receiver.register(LAYOUT_BF16, *kv_pool(LAYOUT_BF16, 8, 2))
+        peer = await sender.connect(receiver.descriptor())
+        handle = receiver.expect("w", [0, 1])
+        progress = SendProgress()
+        stats = await sender.send(peer, "w", [2, 3], [0, 1], progress=progress)
+        got = await handle
+        raw = 2 * LAYOUT_BF16.num_layers * 2 * LAYOUT_BF16.bytes_per_block_per_tensor
+        assert stats.raw_bytes == got.raw_bytes == got.bytes == raw and stats.codec == got.codec == "none"
+        assert stats.bytes == progress.crossed == raw // 4
+    finally:
+        await sender.close()
+        await receiver.close()
+    with pytest.raises(ValueError, match="wire_ratio emulates a codec"):
+        create_transport("inproc", {"codec": "fp8", "shape": {"wire_ratio": 0.5}})
+
+
 async def test_config_codec_reaches_the_transport() -> None:
     cfg = TransportConfig(name="inproc", codec="fp8+lossless", options={"max_frame_bytes": 4096})
     t = create_link_transport(cfg, {"bind_host": "127.0.0.1"})

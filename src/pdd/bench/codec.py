@@ -52,6 +52,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# What this benchmark measured on real bf16 KV, for whoever must charge a codec without running it on real KV (the
+# emulated benchmark: bench/pipelines_emulated.py --wan-codec). The one place these figures are written in code;
+# docs/TRANSPORTS.md "Measured" has the run.
+MEASURED_BF16_RATIO = {"none": 1.0, "lossless": 1.456, "fp8": 1.992, "fp8+lossless": 2.399}  # KV bytes per wire byte
+MEASURED_LOSSLESS_MB_S_PER_CORE = 418.0  # the lossless stage's compress speed on bf16 KV, one core (its slower end)
+MEASURED_ON = ("python -m pdd.bench.codec, 2026-12-05: SmolLM2-135M-Instruct's bf16 KV of 50 real-text prompts "
+               "(529-2,033 tokens); AMD EPYC, 2 cores with avx512_bf16 (docs/TRANSPORTS.md)")
+
 PROMPT_SOURCE = "real text: installed packages' READMEs (site-packages */METADATA) and this repository's docs/*.md"
 INSTRUCTION = "Summarize the following document in a few sentences, then list its three most important points.\n\n"
 

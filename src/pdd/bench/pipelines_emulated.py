@@ -25,6 +25,20 @@ drivers, per-run summaries and the JSON keys are bench/pipelines.py's. What diff
   shared prefix warms the caches (not timed). Goodput probes are open loop (`open_loop`), in live and sim.
 - WAN: the scenario's link as `pdd up --emulate` shapes it (launch/emulate.py `wan_link`): per-flow
   rate / (KV scale x dilation), delay (latency + setup) x dilation; nothing is calibrated on any setup.
+- WAN codec (--wan-codec none | lossless | fp8 | fp8+lossless, default none): every setup that crosses the WAN
+  uses it (naive too: a fair comparison). Its ratio is the one `python -m pdd.bench.codec` measured on real bf16
+  KV (bench/codec.py `MEASURED_BF16_RATIO`, from which run: `MEASURED_ON`), not one measured here: the emulated
+  KV is float32 with every head dim equal (K = token id, V = position), on which lossless gives 12-30x,
+  fp8+lossless 32-170x and fp8 3.9x (the float32 size) instead of bf16's 2x, and fp8 garbles the token ids the
+  checkable bytes carry (off by up to ~1,700). So the live WAN link runs without a codec (`transports.wan.codec`
+  none) and its shaper emulates one: `wire_ratio` = 1 / ratio, so the emulated line carries, and P's WAN byte
+  counter (the report's live WAN bytes) counts, that many wire bytes per KV byte (transports/shaper.py); the
+  simulator gets the same ratio (`wan.codec_wire_ratio`, a scenario override). Coding is modeled free, as on a
+  GPU that codes at line rate: live no coding time is spent (the shaper charges bytes only) and in the sim
+  `wan.codec_mb_s` is 0; one core's measured 418 MB/s (3.3 Gbit/s of KV) would be the bottleneck of a 10 Gbit/s
+  flow (docs/TRANSPORTS.md). The offered rate is the scenario's without the codec, so every codec offers the
+  same requests at the same times. The router assumes the link's KV rate (line rate / wire ratio) until main
+  decode has measured one (in KV bytes, as it always does).
 - SLO: the scenario's (TTFT and TPOT = mean ITL, x dilation in wall seconds). Goodput = the highest rate at
   which >= the scenario's attainment of requests meet it, by geometric bisection over multiples of the
   comparison rate (probes of fresh sessions; the lowest rate only if every probe failed).
@@ -44,7 +58,7 @@ On a Mooncake trace instead of the sessions (--trace F: its requests as token id
 from the scenario, the simulator with the requests' block chains, so P's and MD's prefix caches are modeled):
 bench/pipelines_trace.py says what changes and why.
 
-Run: python -m pdd.bench.pipelines --backend emulated [--context-tokens 16384 --output-tokens 64 ...]
+Run: python -m pdd.bench.pipelines --backend emulated [--context-tokens 16384 --output-tokens 64 --wan-codec fp8 ...]
      python -m pdd.bench.pipelines --backend emulated --trace F [--num-prompts N --max-tokens none|output|N ...]
 Last stdout line: one JSON object (bench/pipelines.py's keys, plus backend, scenario, scale, dilation,
 instance fraction, overrun shares and the sim_* figures).
@@ -66,6 +80,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from pdd.bench import codec as codec_bench
 from pdd.bench import pipelines as live
 from pdd.bench import pipelines_trace as trace_mode
 from pdd.loadgen.stats import Bisection, highest_passing, mean_ci95, pct
@@ -92,7 +107,11 @@ TIMING_RULES = ("times per output position at the client (stream_options.continu
                 "(the simulator's first_token_from_prefill)",
                 "live times are wall seconds; sim_* times are modeled seconds x time dilation",
                 "WAN bytes: P's pdd:wan_bytes_total x the effective KV scale (modeled bytes), the simulator's "
-                "modeled bytes beside them")
+                "modeled bytes beside them; wire bytes, after the link's codec (--wan-codec: the shaper's "
+                "wire_ratio x KV bytes, live; codec_wire_ratio x KV bytes, sim)")
+WAN_CODEC_GOAL = 20.0  # issue #38: with fp8 (then lossless) PDD sends >= 20x fewer bytes than naive uncoded, hit 0.90
+CODEC_COST = ("free: no coding time, live (the shaper charges bytes, nothing is coded) or in the sim (codec_mb_s "
+              "0), as a GPU coding at line rate would; one core's measured speed would bound a 10 Gbit/s flow")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +136,7 @@ class Plan:
     eos: list[int]
     to_id: dict[str, int]
     trace: trace_mode.TraceSlice | None = None  # --trace: the slice replayed instead of the sessions
+    codec: dict[str, Any] | None = None  # --wan-codec: which, its ratio and where it came from (wan_codec())
     heartbeat_s: float = HEARTBEAT_MS / 1000  # the engines' heartbeat in modeled seconds (wall / dilation)
 
 
@@ -140,6 +160,12 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
         overrides["workload.anomalous_output"] = [max(1, round(lo * ko)), max(1, round(hi * ko))]
     for key, value in overrides.items():
         data = set_path(data, key, value)
+    plain = Scenario.from_dict(data)  # the link without the codec: the offered rate
+    codec = wan_codec(args.wan_codec)
+    if args.wan_codec != "none":
+        overrides.update({"wan.codec_wire_ratio": codec["wire_ratio"], "wan.codec_mb_s": 0.0})
+        for key in ("wan.codec_wire_ratio", "wan.codec_mb_s"):
+            data = set_path(data, key, overrides[key])
     path = run_root / "scenario.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     scn = Scenario.from_dict(data)
@@ -149,9 +175,9 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
     scale = emulation.profile(cfg, Role.PREFILL).scale
     link = emulate.wan_link(scn.wan, scale, args.time_dilation)
     # the scenario's comparison rate (sim/report.py: comparison.ttft_load x naive's capacity at its split)
-    ref = scn.arrays()
-    split_naive = scn.splits("naive")[0]
-    capacity = min(stage_capacity(scn.sim_input("naive", split_naive, 1.0, ref, unit_poisson(len(ref), 1))).values())
+    ref = plain.arrays()
+    split_naive = plain.splits("naive")[0]
+    capacity = min(stage_capacity(plain.sim_input("naive", split_naive, 1.0, ref, unit_poisson(len(ref), 1))).values())
     load = args.load if args.load is not None else float(data.get("comparison", {}).get("ttft_load", 0.5))
     scenario_rate = load * capacity
     split = scn.splits("pdd")[0]
@@ -167,7 +193,18 @@ def plan(args: argparse.Namespace, run_root: Path) -> Plan:
                 slo=Slo(**data.get("slo", {})), overrides=overrides, vocab_size=len(tok),
                 eos=[eos] if isinstance(eos, int) else [],
                 to_id={w: vocab[i % len(vocab)] for i, w in enumerate(WORDS)}, trace=trace,
-                heartbeat_s=HEARTBEAT_MS / 1000 / args.time_dilation)
+                heartbeat_s=HEARTBEAT_MS / 1000 / args.time_dilation, codec=codec)
+
+
+def wan_codec(name: str) -> dict[str, Any]:
+    """The WAN codec as this run charges it: bench/codec.py's ratio on real bf16 KV (module docstring)."""
+    ratio = codec_bench.MEASURED_BF16_RATIO[name]
+    return {"codec": name, "ratio_kv_per_wire_byte": ratio, "wire_ratio": round(1 / ratio, 6),
+            "source": ("no codec" if name == "none" else
+                       f"measured on real bf16 KV, not on the emulated KV: {codec_bench.MEASURED_ON}"),
+            "how": ("live: transports.wan.codec none, the WAN shaper's wire_ratio charges and counts wire bytes; "
+                    "sim: wan.codec_wire_ratio"),
+            "coding": CODEC_COST}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,8 +371,8 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
     from pdd.transports import ucx_available
 
     wan_opts: dict[str, Any] = {"streams": 2}
-    if setup.cross_site:
-        wan_opts["shape"] = {"rate": f"{p.link.rate_bits:.0f}bit", "delay": f"{p.link.delay_s * 1e3:g}ms"}
+    if setup.cross_site:  # with --wan-codec the shaper's wire_ratio emulates the codec (module docstring)
+        wan_opts["shape"] = p.link.shape()
     router: dict[str, Any] = {"request_timeout_s": 900, "first_token_after_kv": setup.holds_first_token}
     if setup.forced:
         router["forced_pipeline"] = setup.forced.value
@@ -346,7 +383,7 @@ def setup_config(setup: live.Setup, p: Plan, args: argparse.Namespace, spans_pat
                       "time_dilation": args.time_dilation, "oracle_seed": args.oracle_seed},
         **two_site_layout(main_decode_site="site-b" if setup.cross_site else "site-a"),
         "transports": {"fast": {"name": "ucx" if ucx_available() else "zmq", "options": {}},
-                       "wan": {"name": "zmq", "options": wan_opts}},
+                       "wan": {"name": "zmq", "codec": "none", "options": wan_opts}},
         "router": router,
         "policy": emulate.emulated_policy(p.scn, p.link, args.time_dilation),
         "service": {"heartbeat_ms": HEARTBEAT_MS, "drain_timeout_s": 5},
@@ -454,6 +491,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--goodput-range", default="0.5:4",
                     help="goodput search, as multiples of the repeats' rate")
     ap.add_argument("--setups", default=",".join(live.SETUPS))
+    ap.add_argument("--wan-codec", choices=tuple(codec_bench.MEASURED_BF16_RATIO), default="none",
+                    help="the WAN link's KV codec for every setup that crosses it, charged at the ratio "
+                         "pdd.bench.codec measured on real bf16 KV (live: by the shaper; sim: the link's ratio)")
     ap.add_argument("--run-dir", default=None, help="logs/config/spans (default: a temp dir, kept)")
     trace_mode.add_arguments(ap, BLOCK_SIZE)
     args = ap.parse_args(argv)
@@ -786,7 +826,9 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
         "chips": {n: SYSTEM_OF[n] for n in bench.setups},
         "timing_rules": list(TIMING_RULES),
         "overrun_share": {n: s["pacing"]["overrun_share"] for n, s in bench.setups.items()},
-        "wan_bytes_units": "wan_bytes_metric: real bytes; wan_bytes_modeled and sim: modeled (x kv_scale)",
+        "wan_bytes_units": "wan_bytes_metric: real bytes; wan_bytes_modeled and sim: modeled (x kv_scale); all "
+                           "wire bytes, after the WAN codec",
+        "wan_codec": p.codec,
     })
     if p.trace:
         report["trace"] = {**p.trace.describe(), "capacity_tokens": trace_capacities(bench)}
@@ -828,6 +870,18 @@ def build_report(bench: Bench, shape: dict, elapsed: float) -> dict[str, Any]:
         report["sim_wan_bytes_ratio_naive_over_pdd"] = round(sn / sp, 3) if sp else None
         report["rel_err_wan_bytes_ratio_naive_over_pdd"] = rel_err(report.get("wan_bytes_ratio_naive_over_pdd"),
                                                                    report["sim_wan_bytes_ratio_naive_over_pdd"])
+        if p.codec and p.codec["codec"] != "none":  # the goal's figure: naive sending its KV uncoded
+            wire = p.codec["wire_ratio"]
+            ln = sum(r["wan_bytes_metric"] for r in s["naive"]["repeats"])
+            lp = sum(r["wan_bytes_metric"] for r in s["pdd"]["repeats"])
+            key = "wan_bytes_ratio_naive_uncoded_over_pdd"
+            report[key] = round(ln / wire / lp, 3) if lp else None
+            report[f"sim_{key}"] = round(sn / wire / sp, 3) if sp else None
+            report[f"{key}_how"] = ("naive's WAN bytes without the codec (its wire bytes / wire_ratio: the same KV "
+                                    "crosses, the emulated codec charges exactly wire_ratio per KV byte) over pdd's "
+                                    f"wire bytes with {p.codec['codec']}")
+            report["goals"][key] = {"value": report[key], "target": WAN_CODEC_GOAL,
+                                    "met": report[key] is not None and report[key] >= WAN_CODEC_GOAL}
         # the ratio's ceiling on these requests: what moves if only the KV main decode lacks crosses (the
         # workload's own token-weighted hit h gives 1 / (1 - h); the goal's 10x is h = 0.90)
         runs = [bench.run_for(seed, bench.repeat_requests()) for seed in range(args.seeds)]
@@ -849,6 +903,14 @@ def _f(v: Any, nd: int = 3) -> str:
     return live.fmt(v, nd)
 
 
+def codec_line(c: dict[str, Any]) -> str:
+    """Which WAN codec, its ratio and where the ratio came from, for the banner and the printout."""
+    if c["codec"] == "none":
+        return "none (every setup sends the KV uncoded)"
+    return (f"{c['codec']} on every setup that crosses the WAN, ratio {c['ratio_kv_per_wire_byte']:g} (wire ratio "
+            f"{c['wire_ratio']:.4f}), {c['source']}; {c['how']}; coding {c['coding']}")
+
+
 def print_report(report: dict, bench: Bench) -> None:
     args = bench.args
     live.print_report(report, f"{report['wan']['delay_ms']:g} ms one-way, no jitter")
@@ -858,6 +920,7 @@ def print_report(report: dict, bench: Bench) -> None:
           f"rate {report['rate_rps']['modeled']:.3f} req/s modeled ({report['rate_rps']['how']}); SLO TTFT "
           f"{report['slo']['ttft_s']} s, TPOT {report['slo']['tpot_s'] * 1000:g} ms (x dilation), attainment "
           f"{report['slo']['attainment']:.0%}")
+    print(f"WAN codec: {codec_line(report['wan_codec'])}")
     if report.get("trace"):
         t = report["trace"]
         print(f"Trace: {t['file']}, {t['slice']} ({t['requests']} replayed, {t['skipped_too_long']} too long for "
@@ -886,7 +949,7 @@ def print_report(report: dict, bench: Bench) -> None:
             cells.append(f"{_f(lv, 2)} / {_f(sv, 2)} ({err})")
         print(f"{label:26s}" + "".join(f" {x:>30s}" for x in cells))
     for key in ("ttft_mean_reduction_vs_naive", "ttft_p90_reduction_vs_naive", "wan_bytes_ratio_naive_over_pdd",
-                "goodput_gain_vs_naive"):
+                "wan_bytes_ratio_naive_uncoded_over_pdd", "goodput_gain_vs_naive"):
         if f"sim_{key}" in report:
             print(f"  {key:38s} live {_f(report.get(key))}  sim {_f(report[f'sim_{key}'])}")
     if report.get("wan_bytes_ratio_if_only_missing_kv"):
@@ -928,7 +991,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{what}; KV scale 1/{p.scale:.0f}, dilation x{args.time_dilation:g}; 1 P, 1 RLD, 1 MD "
           f"(fraction {p.fraction:g} of {p.scenario_split}); rate {p.rate:.3f} req/s modeled ({rate_how(p, args)}); "
           f"WAN {p.link.rate_bits / 1e6:.2f} Mbit/s, "
-          f"{p.link.delay_s * 1e3:g} ms ({p.link.why}); run dir {run_root}", flush=True)
+          f"{p.link.delay_s * 1e3:g} ms ({p.link.why}); WAN codec {codec_line(p.codec)}; run dir {run_root}",
+          flush=True)
     with live.setups_running(bench.systems):
         for name in names:
             print(f"[{name}] system {SYSTEM_OF[name]}: repeats, goodput", flush=True)

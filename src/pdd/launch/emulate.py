@@ -9,7 +9,10 @@ of site A's chips prefill) and its link figures give the WAN, both scaled the sa
   bytes takes the modeled time (dilated);
 - delay: (one-way latency + per-transfer setup) x dilation. The shaper holds one token bucket per sending
   process (concurrent transfers of one prefill share it) and adds no lognormal jitter: the scenario's
-  throughput spread is the simulator's, not the live emulation's.
+  throughput spread is the simulator's, not the live emulation's;
+- a codec on the link (the scenario's ``wan.codec_wire_ratio``): the shaper's ``wire_ratio`` (it charges its line,
+  and counts, that many wire bytes per KV byte; the emulated KV itself is not coded: transports/shaper.py).
+  Only the benchmark sets one (bench/pipelines_emulated.py ``--wan-codec``); `pdd up --emulate` refuses it.
 
 Why a module of its own: ``up.py`` starts and supervises processes; this only edits the config it writes.
 """
@@ -40,28 +43,45 @@ class EmulatedLink:
     rate_bits: float  # bit/s of real bytes: the per-flow rate / (effective KV scale x dilation)
     delay_s: float  # (one-way latency + per-transfer setup) x dilation
     why: str  # how both were derived, for banners and benchmark reports
+    wire_ratio: float = 1.0  # wire bytes per KV byte: the link's codec (the shaper's ``wire_ratio``), 1 for none
+
+    @property
+    def kv_rate_bits(self) -> float:
+        """bit/s of real KV through one transfer: the line's rate over the codec's wire ratio."""
+        return self.rate_bits / self.wire_ratio
+
+    def shape(self) -> dict[str, Any]:
+        """The shaper options of this link (transports.wan.options.shape)."""
+        out: dict[str, Any] = {"rate": f"{self.rate_bits:.0f}bit", "delay": f"{self.delay_s * 1e3:g}ms"}
+        if self.wire_ratio != 1.0:
+            out["wire_ratio"] = self.wire_ratio
+        return out
 
 
 def wan_link(wan: Any, scale: float, time_dilation: float) -> EmulatedLink:
     """The shaper's rate and delay for ``wan`` (a scenario's ``WanLink``) when the KV bytes are 1/``scale`` of
     the modeled ones and every modeled duration is x ``time_dilation``: `pdd up --emulate` and
     bench/pipelines_emulated.py both shape their WAN with this."""
+    ratio = wan.codec_wire_ratio
     return EmulatedLink(
         rate_bits=wan.per_flow_gbps * 1e9 / scale / time_dilation,
         delay_s=(wan.latency_s + wan.setup_s) * time_dilation,
         why=(f"the scenario's {wan.per_flow_gbps:g} Gbit/s per flow / {scale:.0f} (KV scale) / "
              f"{time_dilation:g} (dilation); delay = {wan.latency_s * 1e3:g} ms latency + "
-             f"{wan.setup_s * 1e3:g} ms setup per transfer"))
+             f"{wan.setup_s * 1e3:g} ms setup per transfer"
+             + (f"; codec: {ratio:.4g} wire bytes per KV byte" if ratio != 1.0 else "")),
+        wire_ratio=ratio)
 
 
 def emulated_policy(scenario: Any, link: EmulatedLink, time_dilation: float) -> dict[str, Any]:
     """The router policy of an emulated system: the scenario's (the simulator decides with the same one), its
-    masking threshold x dilation, and the link's rate as the WAN bandwidth the router assumes until main
+    masking threshold x dilation, and the link's KV rate as the WAN bandwidth the router assumes until main
     decode has measured one (the config's default, 1 Gbit/s, is ~100x the emulated link's real-byte rate:
-    every transfer would look small, and every request would go P->MD)."""
+    every transfer would look small, and every request would go P->MD). Main decode measures KV bytes per
+    second, so with a codec the assumed rate is the line's over the wire ratio too."""
     policy = scenario.policy.model_dump()
     policy["wan_masking_threshold_s"] *= time_dilation
-    policy["default_wan_gbps"] = link.rate_bits / 1e9
+    policy["default_wan_gbps"] = link.kv_rate_bits / 1e9
     policy["wan_flows"] = 1  # the shaper's line is one transfer's rate: a second transfer shares it
     return policy
 
@@ -90,6 +110,10 @@ def apply(base: dict[str, Any], args: argparse.Namespace) -> dict[str, str]:
     scale = profiles[Role.PREFILL].scale
     shape = None
     link = wan_link(scenario.wan, scale, cfg.time_dilation)
+    if link.wire_ratio != 1.0:
+        raise ConfigError(f"--emulate {args.emulate}: the scenario's link has a codec (wan.codec_wire_ratio "
+                          f"{link.wire_ratio:g}), which `pdd up --emulate` does not emulate (the emulated benchmark "
+                          "does: python -m pdd.bench.pipelines --backend emulated --wan-codec)")
     base["policy"] = {**base.get("policy", {}), **emulated_policy(scenario, link, cfg.time_dilation)}
     if args.wan is None and "shape" not in base["transports"]["wan"].get("options", {}):
         args.wan = f"rate={link.rate_bits:.0f}bit,delay={link.delay_s * 1e3:g}ms"

@@ -9,9 +9,13 @@ transport's ``streams`` flows, so it also takes at least ``bytes / (streams x fl
 ``down_timeout_s`` while receivers see nothing — a WAN cut. ``down_file``: the link is also down
 while that file exists, so a test or an operator can cut a running service's WAN from outside.
 With a codec (codec.py) the line is charged the bytes that would cross it: the KV bytes times the wrapped
-transport's expected wire ratio (fp8's size, the lossless stage's measured ratio while it pays), or times
-``wire_ratio`` when given (emulated KV is not real KV: pass the ratio pdd.bench.codec measured on real KV).
+transport's expected wire ratio (fp8's size, the lossless stage's measured ratio while it pays).
 The wrapped transport's adaptive lossless stage judges against the emulated line's rate, not loopback's.
+``wire_ratio`` emulates a codec instead (emulated KV is not real KV: it compresses absurdly well and fp8 would
+garble it, so the wrapped link runs without a codec and the shaper is given the ratio pdd.bench.codec measured
+on real KV): the line is charged ``wire_ratio`` x the KV bytes, and the send's stats and ``SendProgress`` count
+those wire bytes (``raw_bytes`` the KV), so the WAN byte counters read what the coded link would have carried.
+The wrapped link must then have no codec of its own (a ValueError otherwise).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class ShapedTransport(KVTransport):
         self.transfer_bps = rate_bits(flow_rate) * streams if flow_rate else None  # one send's own ceiling
         self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
         self.wire_ratio = float(wire_ratio) if wire_ratio else None
+        if self.wire_ratio and inner.codec.active:
+            raise ValueError(f"shaper: wire_ratio emulates a codec, but the wrapped link has one ({inner.codec.name}): "
+                             "charge its own wire bytes (no wire_ratio) or give it codec none")
         line = min(r for r in (self.rate_bps, self.transfer_bps) if r) if (self.rate_bps or self.transfer_bps) else None
         inner.set_link_rate_hint(line / 8 if line else None)
         self.down_timeout_s = down_timeout_s
@@ -89,6 +96,8 @@ class ShapedTransport(KVTransport):
         layers = list(range(self.inner.layout.num_layers) if layers is None else layers)
         ratio = self.wire_ratio or self.inner.expected_wire_ratio()
         per_layer = round(2 * len(src_blocks) * self.inner.layout.bytes_per_block_per_tensor * ratio)
+        # the wrapped link's acknowledged bytes reach ``progress`` as wire bytes
+        acked = _WireProgress(progress, self.wire_ratio) if self.wire_ratio and progress is not None else progress
         t0 = time.monotonic()
         deliveries = []
         crossed_at: list[float] = []  # per layer, when its bytes are through the line (then the delay)
@@ -100,7 +109,7 @@ class ShapedTransport(KVTransport):
                 crossed, arrival = self._schedule(per_layer, own_free_at)
                 crossed_at.append(crossed)
                 deliveries.append(asyncio.create_task(self._deliver(
-                    arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context, progress, begun, i)))
+                    arrival, peer, request_id, src_blocks, dst_blocks, [layer], trace_context, acked, begun, i)))
             # every layer's delivery runs to its end (success or a typed failure): cancelling one mid-send
             # could cut a frame in half on the wire
             outcomes = await asyncio.gather(*deliveries, return_exceptions=True)
@@ -114,8 +123,10 @@ class ShapedTransport(KVTransport):
         if failures:
             raise failures[0]
         results = outcomes
-        return TransferStats(sum(r.bytes for r in results), time.monotonic() - t0, sum(r.frames for r in results),
-                             summarize(r.codec for r in results), sum(r.raw_bytes for r in results))
+        raw = sum(r.raw_bytes for r in results)
+        wire = per_layer * len(layers) if self.wire_ratio else sum(r.bytes for r in results)
+        return TransferStats(wire, time.monotonic() - t0, sum(r.frames for r in results),
+                             summarize(r.codec for r in results), raw)
 
     def _schedule(self, nbytes: int, own_free_at: list[float]) -> tuple[float, float]:
         """Monotonic times at which these bytes are through the emulated line, and at which they arrive (the delay
@@ -163,3 +174,20 @@ class ShapedTransport(KVTransport):
     async def _connect(self, peer: Peer) -> Any: ...
     async def _send_frames(self, *a: Any) -> int: return 0
     async def _close(self) -> None: ...
+
+
+class _WireProgress(SendProgress):
+    """A send's progress as the wrapped transport adds to it (KV bytes acknowledged), passed on to ``outer`` as
+    wire bytes (x ``ratio``): what an emulated codec's line carried."""
+
+    def __init__(self, outer: SendProgress, ratio: float) -> None:
+        self._outer, self._ratio, self._kv = outer, ratio, 0
+
+    @property  # type: ignore[override]
+    def crossed(self) -> int:
+        return self._kv
+
+    @crossed.setter
+    def crossed(self, value: int) -> None:
+        self._outer.crossed += round(value * self._ratio) - round(self._kv * self._ratio)
+        self._kv = value
