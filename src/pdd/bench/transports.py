@@ -5,7 +5,9 @@
 Loopback: raw socket (sendall / recv_into straight into the destination pool), zmq with 1 and 4
 streams, ucx, inproc — sender and receiver in one process, each transport with its own threads.
 WAN (root only): `pdd wan` namespaces at 1 Gbit/s, 40 ms RTT; zmq receiver in site B, sender in
-site A, separate processes. Best of RUNS per row. Last stdout line: one JSON object.
+site A, separate processes. Striping: a 64K-token transfer on the report scenario's link (its per-flow rate and
+line, and the bytes, / STRIPE_SCALE) through the in-process shaper, over 1-16 streams, against min(streams x
+per-flow, line). Best of RUNS per row. Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
@@ -161,6 +163,50 @@ def wan_bench(streams_list: list[int]) -> dict:
             "ratio_wan_vs_link": round(results[max(results)] / link, 3)}
 
 
+# ---- striping on the report's emulated link -----------------------------------------------------
+STRIPE_SCALE = 1000  # the report's rates and bytes / this, so a 64K-token transfer takes seconds on loopback
+STRIPE_STREAMS = (1, 2, 4, 10, 16)
+
+
+async def striping_bench() -> dict:
+    """A 64K-token transfer over zmq behind the shaper at the report scenario's link (per-flow rate and line, both
+    / STRIPE_SCALE, as are the KV bytes): first byte to last (the shaper's delay 0) against
+    min(streams x per-flow, line), the rate the simulator gives such a transfer (scenarios/deployment.py WanLink)."""
+    from pdd.scenarios import Deployment, load_yaml
+
+    report = Deployment.from_dict(load_yaml("report"))
+    tokens = int(load_yaml("report")["workload"]["context_tokens"])
+    flow_bits = report.wan.per_flow_gbps * 1e9 / STRIPE_SCALE
+    line_bits = report.wan.bandwidth_gbps * 1e9 / STRIPE_SCALE
+    nbytes = tokens * report.model.kv_bytes_per_token / STRIPE_SCALE
+    blocks = max(1, round(nbytes / (2 * LAYOUT.num_layers * LAYOUT.bytes_per_block_per_tensor)))
+    sent = 2 * LAYOUT.num_layers * blocks * LAYOUT.bytes_per_block_per_tensor
+    out: dict[str, object] = {"stripe_bytes": sent, "stripe_flow_mbit": flow_bits / 1e6,
+                              "stripe_line_mbit": line_bits / 1e6}
+    for streams in STRIPE_STREAMS:
+        shape = {"rate": f"{line_bits:.0f}bit", "flow_rate": f"{flow_bits:.0f}bit", "delay": "0ms"}
+        tx = create_transport("zmq", {"streams": streams, "shape": shape})
+        rx = create_transport("zmq", {"streams": streams})
+        await tx.start()
+        await rx.start()
+        tx.register(LAYOUT, *pool(1))
+        rx.register(LAYOUT, *pool(2))
+        peer = await tx.connect(rx.descriptor())
+        ids = list(range(blocks))
+        best = 0.0
+        for i in range(RUNS):
+            handle = rx.expect(f"s{streams}-{i}", ids, timeout_s=120)
+            t0 = time.perf_counter()
+            await asyncio.gather(tx.send(peer, f"s{streams}-{i}", ids, ids), handle)
+            best = max(best, sent * 8 / (time.perf_counter() - t0))
+        await tx.close()
+        await rx.close()
+        model = min(streams * flow_bits, line_bits)
+        out[f"stripe{streams}_mbit"] = round(best / 1e6, 2)
+        out[f"ratio_stripe{streams}_vs_model"] = round(best / model, 3)
+    return out
+
+
 def main() -> None:
     try:
         import ucxx  # noqa: F401
@@ -188,6 +234,14 @@ def main() -> None:
     print(f"\n{'path':<28}{'Gbit/s':>10}{'vs socket':>12}")
     for k, v in rows.items():
         print(f"{'loopback ' + k:<28}{v:>10.2f}{v / rows['socket']:>12.2f}")
+    stripe = asyncio.run(striping_bench())
+    figures.update(stripe)
+    print(f"\nStriping, the report's link / {STRIPE_SCALE} ({stripe['stripe_flow_mbit']:g} Mbit/s per flow, "
+          f"{stripe['stripe_line_mbit']:g} line; a 64K-token transfer, {stripe['stripe_bytes'] / 1e6:.2f} MB; zmq "
+          f"behind the shaper, first byte to last):")
+    for streams in STRIPE_STREAMS:
+        print(f"{'  streams ' + str(streams):<28}{stripe[f'stripe{streams}_mbit'] / 1e3:>10.3f}"
+              f"{'':>12}  ({stripe[f'ratio_stripe{streams}_vs_model']:.2f} x min(streams x flow, line))")
     if os.geteuid() == 0:
         wan = wan_bench([1, 4])
         figures.update(wan)
