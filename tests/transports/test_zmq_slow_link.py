@@ -20,7 +20,8 @@ heartbeat timeout, which libzmq only resets when a *whole* message part arrives,
 connection; with only that fixed, the ack wait would still give up on frames still crossing.
 ``test_dead_link_still_fails_fast``
 blackholes the link mid-transfer (no byte in either direction, no FIN): both sides must still fail
-with PeerLostError within a few heartbeat timeouts. ``test_stuck_receiver_still_times_out``: a
+with PeerLostError within a few heartbeat timeouts; the one-stream-cut test silences only one of the two
+streams. ``test_stuck_receiver_still_times_out``: a
 receiver that takes our bytes but never acknowledges (heartbeats still flowing) is still bounded by
 ``ack_timeout_s``.
 """
@@ -66,6 +67,7 @@ class SlowLink:
         self._up.set()
         self._tasks: list[asyncio.Task] = []
         self._writers: list[asyncio.StreamWriter] = []
+        self.connections: list[asyncio.Event] = []  # per accepted connection (a zmq stream): set while it passes bytes
 
     async def start(self) -> str:
         listener = socket.socket()
@@ -74,19 +76,25 @@ class SlowLink:
         self._server = await asyncio.start_server(self._accept, sock=listener, limit=4096)
         return f"tcp://127.0.0.1:{listener.getsockname()[1]}"
 
-    def cut(self) -> None:
-        self._up.clear()
+    def cut(self, connection: int | None = None) -> None:
+        """Stop the whole link, or only one of its connections (one stream of the transport)."""
+        (self._up if connection is None else self.connections[connection]).clear()
 
     async def _accept(self, r_cli: asyncio.StreamReader, w_cli: asyncio.StreamWriter) -> None:
         r_srv, w_srv = await asyncio.open_connection(*self.target)
+        up = asyncio.Event()
+        up.set()
+        self.connections.append(up)
         self._writers += [w_cli, w_srv]
-        self._tasks += [asyncio.create_task(self._pump(r_cli, w_srv, slow=True)),
-                        asyncio.create_task(self._pump(r_srv, w_cli, slow=False))]
+        self._tasks += [asyncio.create_task(self._pump(r_cli, w_srv, up, slow=True)),
+                        asyncio.create_task(self._pump(r_srv, w_cli, up, slow=False))]
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, slow: bool) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: asyncio.Event,
+                    slow: bool) -> None:
         try:
             while True:
                 await self._up.wait()
+                await up.wait()
                 data = await reader.read(4096 if slow and self.rate_bps else 1 << 16)
                 if not data:
                     break
@@ -95,6 +103,7 @@ class SlowLink:
                     self._free_at = max(now, self._free_at) + len(data) * 8 / self.rate_bps
                     await asyncio.sleep(self._free_at - now)
                 await self._up.wait()
+                await up.wait()
                 writer.write(data)
                 await writer.drain()
                 if slow:
@@ -102,7 +111,7 @@ class SlowLink:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            if self._up.is_set():  # a cut link passes on nothing, not even a close
+            if self._up.is_set() and up.is_set():  # a cut link passes on nothing, not even a close
                 writer.close()
 
     async def close(self) -> None:
@@ -225,6 +234,28 @@ async def test_dead_link_still_fails_fast() -> None:
             assert isinstance(task.exception(), PeerLostError), repr(task.exception())
         assert "sent nothing" in str(recv.exception()) or "disconnected" in str(recv.exception())
         assert elapsed < bound, f"detected after {elapsed:.1f}s"
+
+
+async def test_one_stream_cut_fails_the_transfer_and_the_caller_can_fall_back() -> None:
+    """Two streams, one of them cut mid-transfer (silent both ways, no FIN) while the other stays up: the live
+    stream carries its frames to the end, then the link makes no progress and the send fails with PeerLostError
+    within ``ack_timeout_s`` (a link is judged by all its streams, so a stream that still moves keeps it alive
+    until then). The receiver's import keeps waiting (its link still answers heartbeats) until the caller cancels
+    it, as P's failed transfer makes main decode do before the fallback runs; the cut stream's frames never land."""
+    async with SlowPair(layers=2, blocks=16, rate_bps=4e6) as pair:  # 8 frames of 256 KiB, 0.5 s each at 4 Mbit/s
+        send, recv = pair.start_transfer("one-cut")
+        while pair.link.forwarded == 0 or len(pair.link.connections) < 2:
+            await asyncio.sleep(0.05)
+        await _alive(send, recv, "before the cut")
+        pair.link.cut(connection=0)
+        t0 = time.monotonic()
+        done, _ = await asyncio.wait({send}, timeout=60)
+        assert done == {send}, f"the send still waits {time.monotonic() - t0:.1f}s after one stream died"
+        assert isinstance(send.exception(), PeerLostError) and "no progress" in str(send.exception())
+        assert not recv.done() and 0 < pair.landed() < 2 * 2 * pair.blocks  # the live stream's frames landed
+        pair.receiver.cancel("one-cut")
+        with pytest.raises(TransferError):
+            await asyncio.wait_for(recv, 10)
 
 
 async def test_stuck_receiver_still_times_out() -> None:
