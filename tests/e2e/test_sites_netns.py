@@ -27,6 +27,7 @@ import pytest
 
 from pdd.launch.natsserver import free_port
 from pdd.launch.sites import NETNS, SITE_A, SITE_B, SitesError, TwoSites
+from pdd.shared.bus import flush_barrier
 from pdd.transports.wan_emulation import WanConfig
 
 ROOT_SKIP = None if os.geteuid() == 0 else "needs root (network namespaces, TUN devices, tc, nft)"
@@ -58,11 +59,11 @@ async def _crosses(sites: TwoSites, src: str, dst: str, wait_s: float) -> bool:
 
         subject = f"pdd.test.cross.{src}.{dst}.{time.monotonic_ns()}"
         await sub_nc.subscribe(subject, cb=on_msg)
-        await sub_nc.flush()
+        await flush_barrier(sub_nc)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not got.is_set():
             await pub_nc.publish(subject, b"x")
-            await pub_nc.flush()
+            await flush_barrier(pub_nc)
             try:
                 await asyncio.wait_for(got.wait(), 0.5)
             except TimeoutError:

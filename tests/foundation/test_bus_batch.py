@@ -45,7 +45,7 @@ async def test_publish_batch_delivers_each_item_in_order(nats_url) -> None:
     try:
         got: list = []
         await _collect(receiver, "pdd.router.test.events", got)
-        await receiver.nc.flush()
+        await receiver.sync()
         sent = [chunk(f"r{i % 3}", i) for i in range(50)]
         await sender.publish_batch("pdd.router.test.events", sent[:1])  # one alone goes as itself
         await sender.publish_batch("pdd.router.test.events", sent[1:])

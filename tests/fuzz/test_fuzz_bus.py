@@ -29,6 +29,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdd.shared import protocol
+from pdd.shared.bus import flush_barrier
 from pdd.shared.links import KVLink
 from pdd.shared.protocol import (
     WAN_EGRESS_KEY,
@@ -412,7 +413,7 @@ async def publish_all(nats_url: str, inputs: list[BusInput], tally: Tally) -> tu
         tally.add("inputs")
         await nc.publish(inp.subject, data, reply=f"{REPLY_PREFIX}.{i}" if inp.reply else "", headers=inp.headers)
         if i % 50 == 49 or i == len(inputs) - 1:  # pace: every instance must still answer promptly
-            await nc.flush()
+            await flush_barrier(nc)
             t0 = time.monotonic()
             for subject in pings:
                 try:
@@ -438,7 +439,7 @@ async def cleanup(nats_url: str, rids: set[str], fakes: set[str]) -> None:
         await nc.publish(Subjects.ANNOUNCE, Announce(
             instance_id=iid, role="prefill", site="site-a", state="stopped", load=0.0, running_requests=0,
             free_kv_blocks=0, total_kv_blocks=0, heartbeat_ms=500).encode())
-    await nc.flush()
+    await flush_barrier(nc)
     await nc.close()
 
 
@@ -540,7 +541,7 @@ def test_cancel_that_overtakes_prepare_import_reserves_nothing(fuzz_cluster) -> 
             for target in ("md-0", "rld-0"):
                 rid = f"fz-overtaken-{target}"
                 await nc.publish(Subjects.CANCEL, Cancel(rid).encode())
-                await nc.flush()
+                await flush_barrier(nc)
                 await asyncio.sleep(0.5)
                 prepare = PrepareImport(request_id=rid, prompt_ids=list(range(40, 80)),
                                         sampling=SamplingSpec(max_tokens=2), events_subject=EVENTS,
@@ -605,7 +606,7 @@ def test_an_import_its_prefill_no_longer_sends_is_freed_long_before_the_lease(fu
                 await asyncio.sleep(0.5)
             assert "fz-orphan" not in held and held.get("fz-silent-source") == "IMPORTING", held
             await nc.publish(Subjects.CANCEL, Cancel("fz-silent-source").encode())
-            await nc.flush()
+            await flush_barrier(nc)
         finally:
             await nc.close()
 
@@ -642,7 +643,7 @@ def test_requests_of_a_router_that_came_back_as_a_new_process_are_cancelled(fuzz
         try:
             await nc.subscribe(subject, cb=on_event)
             await nc.publish(Subjects.ANNOUNCE, announce(1000.0))
-            await nc.flush()
+            await flush_barrier(nc)
             await asyncio.sleep(0.5)
             await nc.publish(Subjects.instance("p-0", "submit"), protocol.SubmitRequest(
                 request_id="fz-orphaned-by-router", prompt_ids=list(range(40, 80)),
@@ -650,7 +651,7 @@ def test_requests_of_a_router_that_came_back_as_a_new_process_are_cancelled(fuzz
                 deadline_unix=time.time() + 120, md_instance="md-0").encode())
             await asyncio.wait_for(first.wait(), 30)
             await nc.publish(Subjects.ANNOUNCE, announce(2000.0))  # the same id, a new process
-            await nc.flush()
+            await flush_barrier(nc)
             await asyncio.sleep(3.0)
             return len(got)
         finally:

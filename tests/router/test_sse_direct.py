@@ -104,7 +104,7 @@ class _Engines:
 
         await self.bus.subscribe(Subjects.instance("p-0", "submit"), on_submit, expect=SubmitRequest)
         await self.bus.subscribe(Subjects.CANCEL, on_cancel, expect=Cancel)
-        await self.bus.nc.flush()
+        await self.bus.sync()
 
     async def first_token(self, submit: SubmitRequest, token: int) -> None:
         await self.bus.publish(submit.events_subject, PrefillResult(
@@ -159,7 +159,7 @@ async def router(nats_url, tokenizer) -> AsyncIterator[tuple[str, Orchestrator, 
     orchestrator = Orchestrator(config, router_bus, registry, router_id)  # type: ignore[arg-type]
     orchestrator.routing = _Routing(registry)  # type: ignore[assignment]
     await orchestrator.start()
-    await router_bus.nc.flush()
+    await router_bus.sync()
     engines = _Engines(engine_bus)
     await engines.start()
     port = _free_port()

@@ -50,7 +50,7 @@ async def _roundtrip(config: NatsConfig) -> None:
             return Pong(instance_id="srv", role="prefill", payload=message.payload)
 
         await server.subscribe(Subjects.instance("srv", "ping"), on_ping, expect=Ping)
-        await server.nc.flush()
+        await server.sync()
         reply = await request_retrying(client, Subjects.instance("srv", "ping"), Ping(payload="hi"), expect=Pong)
         assert reply.payload == "hi"
     finally:

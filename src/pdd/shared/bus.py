@@ -73,6 +73,18 @@ class Envelope:
     headers: dict[str, str]
 
 
+async def flush_barrier(nc: NatsClient, timeout_s: float = 10.0) -> None:
+    """Return once the server has processed everything ``nc`` sent before the call (its subscriptions are live).
+
+    nats-py's ``flush()`` alone is not that barrier: it writes its PING straight to the socket, ahead of commands
+    still queued for its flusher task (nats-py 2.16), so the PONG can come back before a subscription made just
+    before reaches the server, and a message published right after is routed without it (seen in about 1 of 40
+    runs). The first flush kicks the flusher, which writes the queue while the PING is out; the second PING then
+    follows everything queued before the call."""
+    await nc.flush(timeout=timeout_s)
+    await nc.flush(timeout=timeout_s)
+
+
 class Bus:
     """One NATS connection per service, with reconnects handled by nats-py.
 
@@ -212,6 +224,11 @@ class Bus:
     @property
     def is_connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
+
+    async def sync(self) -> None:
+        """Wait until the server has processed all this bus sent so far: its subscriptions are live."""
+        assert self.nc is not None, "bus not connected"
+        await flush_barrier(self.nc)
 
     async def close(self) -> None:
         if self.nc is None:
