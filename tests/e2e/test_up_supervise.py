@@ -190,8 +190,11 @@ def test_readiness_does_not_take_a_foreign_server_for_its_router(tmp_path):
         router_log.write_text(f'{{"event": "api_listening", "url": "http://127.0.0.1:{free_port()}/v1"}}\n')
         assert not router_ready(base, port, "router-0", router_log)  # ours listens elsewhere
         assert not router_ready(base, port, "router-7", router_log)  # another id
-        # our router's own log says it listens here and /health carries its id: that is ours
+        # our router's own log says it listens here and /health carries its id: that is ours, ready once it says so
         router_log.write_text(f'{{"event": "api_listening", "url": "http://127.0.0.1:{port}/v1"}}\n')
+        assert not router_ready(base, port, "router-0", router_log)  # listening, not yet announced
+        with router_log.open("a") as f:
+            f.write('{"event": "service_ready", "metrics": "http://127.0.0.1:1/metrics"}\n')
         assert router_ready(base, port, "router-0", router_log)
         # ...but only the current process's lines count (a restarted router appends to the same log)
         assert not router_ready(base, port, "router-0", router_log, log_offset=router_log.stat().st_size)

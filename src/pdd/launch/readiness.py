@@ -73,9 +73,15 @@ def router_ready(base_url: str, port: int, router_id: str, router_log: Path, log
 
 def routers_ready(base_url: str, port: int, routers: dict[str, tuple[Path, int]]) -> bool:
     """Several routers sharing ``port`` (SO_REUSEPORT): the one /health reached is one of ours and says 200,
-    and every one of them logged that it listens on the port (by their logs: id -> (path, offset))."""
+    and every one of them logged that it listens on the port and then that it is ready (by their logs: id ->
+    (path, offset)). A router listens a moment before it has announced itself; `pdd up` says ready only once
+    every router has (the kernel may hand the next connection to any of them)."""
     code, body = http_json(base_url + "/health")
     if code != 200 or not isinstance(body, dict) or body.get("router") not in routers:
         return False
-    return all(any(event.get("event") == "api_listening" and urlparse(str(event.get("url", ""))).port == port
-                   for event in log_events(log, offset)) for log, offset in routers.values())
+
+    def listens_and_ready(events: list[dict]) -> bool:
+        listens = any(e.get("event") == "api_listening" and urlparse(str(e.get("url", ""))).port == port
+                      for e in events)
+        return listens and any(e.get("event") == "service_ready" for e in events)
+    return all(listens_and_ready(log_events(log, offset)) for log, offset in routers.values())
