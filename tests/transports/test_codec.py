@@ -348,6 +348,9 @@ async def test_shaper_wire_ratio_emulates_a_codec_in_the_bytes_it_charges_and_co
         await receiver.close()
     with pytest.raises(ValueError, match="wire_ratio emulates a codec"):
         create_transport("inproc", {"codec": "fp8", "shape": {"wire_ratio": 0.5}})
+    for bad in (0, -0.5, 2.0):  # a ratio the simulator's link refuses too
+        with pytest.raises(ValueError, match=r"wire_ratio is wire bytes per KV byte, in \(0, 1\]"):
+            create_transport("inproc", {"shape": {"rate": "1gbit", "wire_ratio": bad}})
 
 
 async def test_config_codec_reaches_the_transport() -> None:

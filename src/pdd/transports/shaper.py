@@ -45,7 +45,9 @@ class ShapedTransport(KVTransport):
         streams = max(1, int(inner.options.get("streams", 1) or 1))
         self.transfer_bps = rate_bits(flow_rate) * streams if flow_rate else None  # one send's own ceiling
         self.delay_s, self.jitter_s = seconds(delay), seconds(jitter)
-        self.wire_ratio = float(wire_ratio) if wire_ratio else None
+        self.wire_ratio = float(wire_ratio) if wire_ratio is not None else None
+        if self.wire_ratio is not None and not 0 < self.wire_ratio <= 1:
+            raise ValueError(f"shaper: wire_ratio is wire bytes per KV byte, in (0, 1] (got {wire_ratio!r})")
         if self.wire_ratio and inner.codec.active:
             raise ValueError(f"shaper: wire_ratio emulates a codec, but the wrapped link has one ({inner.codec.name}): "
                              "charge its own wire bytes (no wire_ratio) or give it codec none")
